@@ -1,0 +1,165 @@
+"""
+nanoGPT-style configuration: config files executed over train.py's globals, then
+--key=value overrides. Used from train.py as
+
+    from configurator import configure, comments_from_source
+    config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
+    configure(globals(), config_keys, sys.argv[1:], help_text=comments_from_source(__file__))
+
+so that e.g.
+
+    python train.py config/attnres_L32.py --batch_size=8 --device=cpu
+
+first runs config/attnres_L32.py, then applies the two overrides (command-line
+overrides always win over config files, whatever their order). Unlike nanoGPT's
+configurator, a misspelt key or a value of the wrong type is an error, not a
+silently ignored or silently retyped setting; `python train.py --help` lists every key.
+"""
+
+import ast
+import difflib
+import io
+import os
+import tokenize
+import types
+
+
+class ConfigError(ValueError):
+    """A bad config file or command-line override (the message names the fix)."""
+
+
+def _close(key, keys):
+    matches = difflib.get_close_matches(key, keys, n=3)
+    return f" (did you mean {', '.join(matches)}?)" if matches else ""
+
+
+def _check_type(key, value, current, where):
+    """Return `value` converted to the type of `current`, or raise ConfigError."""
+    if current is None:  # a None default accepts anything
+        return value
+    if isinstance(current, bool):  # checked before int: bool is a subclass of int
+        if isinstance(value, str) and value.lower() in ('true', 'false'):
+            return value.lower() == 'true'
+        if isinstance(value, bool):
+            return value
+    elif isinstance(current, float) and type(value) is int:
+        return float(value)  # --learning_rate=1 means 1.0
+    elif type(value) is type(current):
+        return value
+    raise ConfigError(f"{where}: {key} expects {type(current).__name__} (default {current!r}), "
+                      f"got {value!r} ({type(value).__name__})")
+
+
+def _run_config_file(path, g, keys):
+    """Execute a config file; return {key: value} for the declared keys it changed."""
+    if not os.path.isfile(path):
+        hint = f"; to override a key write --{path}" if '=' in path else ""
+        raise ConfigError(f"config file not found: {path}{hint}")
+    with open(path) as f:
+        source = f.read()
+    ns = {k: g[k] for k in keys}  # the file sees (and may build on) the current values
+    before = dict(ns)
+    try:
+        exec(compile(source, path, 'exec'), ns)
+    except Exception as e:
+        raise ConfigError(f"{path} failed: {type(e).__name__}: {e}") from e
+    changed = {}
+    for name, value in ns.items():
+        if name.startswith('_') or isinstance(value, types.ModuleType) or callable(value):
+            continue  # private helpers, imports, functions and classes are allowed
+        if name not in before:
+            raise ConfigError(f"{path}: unknown config key {name!r}{_close(name, keys)}; "
+                              f"prefix helper variables with _")
+        if (type(value), value) != (type(before[name]), before[name]):
+            changed[name] = _check_type(name, value, g[name], path)
+    return changed
+
+
+def _parse_override(arg, g, keys):
+    """Parse one '--key=value' argument into (key, value)."""
+    key, raw = arg[2:].split('=', 1)
+    if key not in keys:
+        raise ConfigError(f"unknown config key {key!r} in {arg}{_close(key, keys)}")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        value = raw  # a bare word such as --device=cpu
+    if isinstance(g[key], str) and not isinstance(value, str):
+        value = raw  # a str key keeps the literal text: --run_name=2024 is '2024'
+    return key, _check_type(key, value, g[key], arg)
+
+
+def print_help(g, keys, help_text=None):
+    """Print every config key with its current (default) value and comment."""
+    help_text = help_text or {}
+    print("usage: python train.py [config_file.py ...] [--key=value ...]\n\nconfig keys (default):")
+    width = max((len(f"{k} = {g[k]!r}") for k in keys), default=0)
+    for k in keys:
+        line = f"{k} = {g[k]!r}"
+        comment = help_text.get(k)
+        print(f"  {line:<{width}}  # {comment}" if comment else f"  {line}")
+
+
+def configure(g, keys, argv, help_text=None):
+    """
+    Apply config files and --key=value overrides to the dict `g` (train.py's globals()).
+
+    g: the namespace to update; keys: the declared config keys (each must be in g);
+    argv: sys.argv[1:]; help_text: key -> one-line description, shown by -h/--help.
+    Positional arguments are config files, executed in order; then every --key=value
+    is parsed with ast.literal_eval (falling back to the raw string). Values must have
+    the type of the key's current value (int accepted for float, 'true'/'false' for
+    bool, anything for a None default). Returns the keys set, in order of first change.
+    Raises ConfigError (a ValueError) on unknown keys, wrong types, missing files,
+    '--key value'; raises SystemExit(0) after printing the help for -h/--help.
+    """
+    keys = list(keys)
+    for k in keys:
+        assert k in g, f"declared config key {k!r} is not in the namespace"
+    if '-h' in argv or '--help' in argv:
+        print_help(g, keys, help_text)
+        raise SystemExit(0)
+    files = [a for a in argv if not a.startswith('--')]
+    overrides = [a for a in argv if a.startswith('--')]
+    for arg in overrides:  # check the form first: in '--key value', 'value' is no config file
+        if '=' not in arg:
+            raise ConfigError(f"{arg}: write overrides as --key=value (one argument, no space)")
+    changed = []
+    for path in files:
+        for key, value in _run_config_file(path, g, keys).items():
+            g[key] = value
+            changed.append(key)
+    for arg in overrides:
+        key, value = _parse_override(arg, g, keys)
+        g[key] = value
+        changed.append(key)
+    changed = list(dict.fromkeys(changed))  # one entry per key, first-change order
+    for key in changed:
+        print(f"Overriding: {key} = {g[key]!r}")
+    return changed
+
+
+def comments_from_source(path):
+    """
+    Return {key: comment} for module-level `key = value  # comment` lines of a file,
+    i.e. the trailing comment on the line where the assignment ends.
+    """
+    with open(path) as f:
+        source = f.read()
+    comments = {}  # line number -> comment text
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip('#').strip()
+    result = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets = [node.target]
+        else:
+            continue
+        if node.end_lineno in comments:
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    result[t.id] = comments[node.end_lineno]
+    return result

@@ -1,0 +1,649 @@
+"""
+What depth costs (DESIGN §8; paper Sec. 4.4, Appendix D, Fig. 11): analytic forward
+FLOPs, KV-cache bytes and parameter counts of every residual scheme, a cross-check of
+the FLOP formulas against torch.utils.flop_counter.FlopCounterMode, and measured
+prefill latency / peak memory / device-hours per 1B tokens.
+
+    python cost.py                                     # main family, 10 schemes, analytic table
+    python cost.py --schemes=preln,attnres,hc --shapes=16x1216,70x640
+    python cost.py --family=onepointsix --seq_len=2048
+    python cost.py --measure --device=cuda --batch=8   # + measured prefill (bf16 on GPU)
+    python cost.py --measure --device=cpu --shapes=2x64 --seq_len=64 --batch=1 --iters=2
+
+It prints a table (scheme, L, d, d/L, params, prefill TFLOPs/sequence, ΔF/F, KV cache
+and, with --measure, latency, tokens/s, peak memory, device-hours per 1B prefill tokens)
+and writes <out>/cost.json and a Fig. 11-style <out>/cost.png (one line per scheme
+against d/L; a validation-loss panel too when <results> or out/<family>/results.json exists).
+
+Conventions (one multiply-add = 2 FLOPs; norms, RoPE, softmax, residual adds and other
+elementwise work are not counted, as in the paper):
+  - the table's prefill FLOPs use the study's convention, which reproduces its "3.0 ->
+    4.4 TFLOPs per sequence" (probes.md §9): causal attention 2T²d per layer (half of
+    the T×T score and value products) and the LM head on the last position only;
+  - flop_check() counts what the code executes: the full T×T attention (4T²d) and the
+    LM head on all T positions;
+  - KV cache: keys and values of every layer for a T-token sequence, bf16 (2 bytes);
+    MB = 1e6 bytes, GB = 1e9 bytes.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+import multiprocessing
+
+import torch
+
+from model import GPT, GPTConfig, ffn_hidden_size
+
+# the main family's shapes (DESIGN §5), used when families.py is not importable
+MAIN_SHAPES = ((16, 1216), (20, 1120), (24, 1024), (28, 960), (32, 896), (42, 800), (70, 640))
+# the ten schemes of the study (Table 1), in table order, and the classic extra rows
+STUDY_SCHEMES = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'attnres', 'blockattnres', 'moda')
+EXTRA_SCHEMES = ('postln', 'rezero', 'layerscale', 'resdual')
+# schemes whose wiring is only norms, gains and adds: no matrix products beyond the backbone
+ELEMENTWISE_SCHEMES = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'postln', 'rezero', 'layerscale', 'resdual')
+# terms of extra_flop_terms() that are weighted sums / outer products over the m streams;
+# an implementation may write them as broadcast multiplies + sums, which FlopCounterMode
+# (it counts matrix products only) does not see. Every other term must be a matmul.
+BROADCAST_TERMS = ('read', 'mix', 'write')
+
+# -----------------------------------------------------------------------------
+# analytic FLOPs (DESIGN §8, Appendix D)
+
+
+def _heads(n_embd, n_head, n_kv_head):
+    """(head_dim, n_kv_head) after checking the head layout; raises ValueError."""
+    n_kv_head = n_head if n_kv_head is None else n_kv_head
+    if n_embd % n_head or n_head % n_kv_head:
+        raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head} and n_head by "
+                         f"n_kv_head={n_kv_head}: pick a head layout as in GPTConfig")
+    return n_embd // n_head, n_kv_head
+
+
+def blockattnres_sources(n_layer, attnres_blocks=8):
+    """
+    Number of sources each Block AttnRes read mixes, under the paper's Appendix D count:
+    sublayer k = 1..2L-1 (0-based; block 0's attention reads the embedding directly)
+    reads the embedding, the floor(k / S) completed blocks and the running partial sum,
+    2 + floor(k / S) sources with block size S = 2L / attnres_blocks sublayers; the final
+    aggregator reads the embedding and all attnres_blocks blocks. Returns a list of
+    2L ints (the reads in order, final aggregator last). floor(k / S) is computed as
+    floor(k * attnres_blocks / 2L), so S need not be an integer.
+    Note: at a block boundary (k a multiple of S) the running sum has just been frozen;
+    the paper's count still includes a partial-sum source there.
+    """
+    L2 = 2 * n_layer
+    return [2 + (k * attnres_blocks) // L2 for k in range(1, L2)] + [1 + attnres_blocks]
+
+
+def extra_flop_terms(residual, n_layer, n_embd, seq_len, *, n_head=16, n_kv_head=None,
+                     hc_streams=4, attnres_blocks=8):
+    """
+    The extra forward FLOPs of a residual scheme over Pre-LN for one sequence of T =
+    seq_len tokens, split into named terms (dict name -> FLOPs; empty for schemes with
+    no extra matrix work). One multiply-add = 2 FLOPs; per token, per sublayer:
+
+    HC (m streams, H in R^{m x d}; schemes.md): the dynamic coefficients tanh(H̄ W),
+      W in R^{d x (m+1)}, and tanh(H̄ w_beta), w_beta in R^d: 2·m·d·(m+2) ('dynamic');
+      the branch input x = A_m^T H: 2md ('read'); the stream mix A_r^T H: 2m²d ('mix');
+      the write beta ⊗ f: 2md ('write'). Sum 4·m·d·(m+2) per sublayer, so
+          ΔF_HC = 2L · T · 4md(m+2) = 8·m·(m+2)·T·d·L = 192·T·d·L at m = 4.
+    mHC: the projection x'φ, φ in R^{md x (m²+2m)}: 2·md·(m²+2m) ('dynamic'); read
+      2md, mix 2m²d, write 2md as HC. Sum 2md(m+1)(m+2) per sublayer, so
+          ΔF_mHC = 4·m·(m+1)·(m+2)·T·d·L = 480·T·d·L at m = 4
+      (Sinkhorn's 20 iterations on the m x m matrix are elementwise and O(m²), not ∝ d).
+    Full AttnRes: a read over n sources costs 2nd for the logits w^T v_i (RMSNorm_key
+      folds into 1/rms scalars) and 2nd for the weighted sum ('depth_scores',
+      'depth_values'). Sublayer k = 1..2L-1 reads k+1 sources, the final aggregator
+      2L+1, in all Σn = L(2L+3):
+          ΔF_Full = 4·T·d·L·(2L+3).
+    Block AttnRes: the same with the sources of blockattnres_sources() (Appendix D):
+          ΔF_Block = 4Td·[Σ_{k=1}^{2L-1} (2 + floor(k/S)) + attnres_blocks + 1],  S = 2L/8.
+    MoDA (schemes.md): attention of block b >= 1 also scores each query against the 2b
+      depth slots of its own token and mixes their values: 2·(2b)·d FLOPs each
+      (all H query heads, GQA or not), so Σ_{b=1}^{L-1} 8bd = 4·d·L(L-1) per token
+      ('depth_scores' + 'depth_values', 2·T·d·L(L-1) each); and the depth K/V projection
+      W_kv in R^{2·n_kv·hd x d} of the FFN input on blocks 0..L-2 ('depth_kv_proj'):
+      (L-1) · 2·T·d·2·n_kv·hd. In all, with n_kv·hd = d for MHA:
+          ΔF_MoDA = 4·T·d·(L-1)·(L + n_kv·hd) = 4·T·d·(L-1)·(L+d) (MHA).
+      Slot 2b (block b's own k, v) reuses the attention projections: no extra FLOPs.
+    Pre-LN, Sandwich, LNS, DeepNorm, KEEL, Post-LN, ReZero, LayerScale, ResiDual: only
+      norms, gains, scalings and adds, which are not counted: no terms (ΔF = 0).
+
+    Units: FLOPs (int). Raises ValueError for an unknown scheme or a bad head layout.
+    """
+    T, d, L = seq_len, n_embd, n_layer
+    hd, n_kv = _heads(n_embd, n_head, n_kv_head)
+    m = hc_streams
+    if residual in ELEMENTWISE_SCHEMES:
+        return {}
+    if residual == 'hc':
+        per = 2 * L * T  # sublayer-tokens
+        return dict(dynamic=per * 2 * m * d * (m + 2), read=per * 2 * m * d, mix=per * 2 * m * m * d,
+                    write=per * 2 * m * d)
+    if residual == 'mhc':
+        per = 2 * L * T
+        return dict(dynamic=per * 2 * m * d * (m * m + 2 * m), read=per * 2 * m * d, mix=per * 2 * m * m * d,
+                    write=per * 2 * m * d)
+    if residual in ('attnres', 'blockattnres'):
+        n = L * (2 * L + 3) if residual == 'attnres' else sum(blockattnres_sources(L, attnres_blocks))
+        return dict(depth_scores=2 * T * d * n, depth_values=2 * T * d * n)
+    if residual == 'moda':
+        slots = L * (L - 1)  # Σ_{b=1}^{L-1} 2b depth slots read per token
+        return dict(depth_scores=2 * T * d * slots, depth_values=2 * T * d * slots,
+                    depth_kv_proj=(L - 1) * 2 * T * d * 2 * n_kv * hd)
+    raise ValueError(f"unknown residual scheme {residual!r}; cost.py knows: "
+                     f"{', '.join(STUDY_SCHEMES + EXTRA_SCHEMES)}")
+
+
+def extra_flops(residual, n_layer, n_embd, seq_len, **kw):
+    """
+    ΔF of a scheme over Pre-LN: forward FLOPs of one T-token sequence (DESIGN §8,
+    Appendix D): HC 192·T·d·L, mHC 480·T·d·L (m = 4), Full AttnRes 4·T·d·L·(2L+3),
+    Block AttnRes 4Td·[Σ_{k=1}^{2L-1}(2 + floor(k/b)) + 9] (b = 2L/8), MoDA
+    4·T·d·(L-1)·(L + n_kv·hd), every other scheme 0 (norms and elementwise work are not
+    counted). The sum of extra_flop_terms(), whose docstring derives every term.
+    Keywords: n_head, n_kv_head, hc_streams, attnres_blocks. Units: FLOPs.
+    """
+    return sum(extra_flop_terms(residual, n_layer, n_embd, seq_len, **kw).values())
+
+
+def forward_flops(n_layer, n_embd, seq_len, *, residual='preln', ffn_hidden=None, n_head=16, n_kv_head=None,
+                  vocab_size=50280, logits='last', attention='causal', **scheme_opts):
+    """
+    Forward FLOPs of one sequence of T = seq_len tokens (DESIGN §8; one multiply-add =
+    2 FLOPs; norms, RoPE, softmax and elementwise work not counted):
+
+        F = L · (F_proj + 6·T·d·d_ff + F_attn) + F_head + ΔF_scheme
+
+    F_proj = 2·T·d·d (q) + 2·T·d·d (o) + 2 · 2·T·d·(n_kv·hd) (k, v), i.e. 8Td² for MHA;
+    6·T·d·d_ff: the three SwiGLU matrices;
+    F_attn = 2T²d for attention='causal' (half the T×T score and value products, the
+      paper's count) or 4T²d for 'full' (the whole T×T matrix, what a dense kernel or
+      FlopCounterMode under SDPBackend.MATH computes); d = H·hd for GQA too;
+    F_head = 2·T·d·V for logits='all', 2·d·V for 'last' (prefill of a generation);
+    ΔF_scheme = extra_flops(residual, ...), with scheme_opts (hc_streams, attnres_blocks).
+
+    For MHA causal: F = L·(8Td² + 6T·d·d_ff + 2T²d) + F_head + ΔF. The defaults
+    (logits='last', attention='causal', T = 4096) are the study's prefill convention
+    (probes.md §9): Full AttnRes L16/d1216 -> 2.99e12, L70/d640 -> 4.43e12.
+    ffn_hidden None = 16·ceil(8d/3 / 16). Units: FLOPs (int).
+    Raises ValueError for a bad logits/attention value, head layout or scheme.
+    """
+    if logits not in ('all', 'last'):
+        raise ValueError(f"logits={logits!r}: use 'all' (LM head on every position) or 'last'")
+    if attention not in ('causal', 'full'):
+        raise ValueError(f"attention={attention!r}: use 'causal' (2T²d) or 'full' (4T²d)")
+    T, d, L, V = seq_len, n_embd, n_layer, vocab_size
+    d_ff = ffn_hidden_size(d) if ffn_hidden is None else ffn_hidden
+    hd, n_kv = _heads(d, n_head, n_kv_head)
+    proj = 2 * T * d * d * 2 + 2 * T * d * (n_kv * hd) * 2
+    attn = (2 if attention == 'causal' else 4) * T * T * d
+    head = 2 * d * V * (T if logits == 'all' else 1)
+    extra = extra_flops(residual, L, d, T, n_head=n_head, n_kv_head=n_kv_head, **scheme_opts)
+    return L * (proj + 6 * T * d * d_ff + attn) + head + extra
+
+
+def _scheme_opts(cfg):
+    return dict(hc_streams=cfg.hc_streams, attnres_blocks=cfg.attnres_blocks)
+
+
+def config_flops(cfg, seq_len, **kw):
+    """forward_flops() for a GPTConfig (its scheme, shape and scheme options); kw: logits, attention."""
+    return forward_flops(cfg.n_layer, cfg.n_embd, seq_len, residual=cfg.residual, ffn_hidden=cfg.ffn_hidden,
+                         n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, vocab_size=cfg.vocab_size,
+                         **_scheme_opts(cfg), **kw)
+
+# -----------------------------------------------------------------------------
+# KV cache and parameters
+
+
+def kv_cache_bytes(n_layer, n_embd, seq_len, *, n_head=16, n_kv_head=None, bytes_per_elem=2, batch=1,
+                   residual='preln', decode=False):
+    """
+    Bytes of the KV cache of `batch` sequences of T = seq_len tokens (DESIGN §8):
+
+        2 (K and V) · L · T · n_kv · hd · bytes_per_elem · batch
+
+    = 2·L·T·d·2 bytes for MHA in bf16 (L16/d1216, T=4096: 319 MB; L70/d640: 734 MB);
+    GQA with n_kv = H/2 halves it.
+
+    MoDA (residual='moda') also keeps a per-token depth buffer: 2L slots, each a key and
+    a value of n_kv·hd (slot 2b = block b's attention k, v before RoPE; 2b+1 = the W_kv
+    projection of its FFN input; the last slot is never written). A token's depth slots
+    are read only by the later blocks of the *same* token, so once a token has passed
+    all L blocks they are dead: decoding needs no persistent depth cache (decode=True
+    returns the Pre-LN cache for MoDA), but a prefill of T tokens processed block by
+    block holds the buffer of all T tokens at once, 2·2L·T·n_kv·hd·bytes·batch, i.e.
+    twice the sequence cache, which decode=False (the default) adds. (An implementation
+    that caches pre-RoPE keys could alias the L attention slots with the sequence cache
+    and hold only the L-1 W_kv slots.) Other schemes: no extra cache.
+    Units: bytes (int). Raises ValueError for a bad head layout.
+    """
+    hd, n_kv = _heads(n_embd, n_head, n_kv_head)
+    seq = 2 * n_layer * seq_len * n_kv * hd * bytes_per_elem * batch
+    if residual == 'moda' and not decode:
+        seq += 2 * (2 * n_layer) * seq_len * n_kv * hd * bytes_per_elem * batch
+    return seq
+
+
+def param_count(config):
+    """
+    Closed-form parameter count of GPT(config) (must equal model.num_params()).
+
+    Pre-LN (DESIGN §3): L·(2d² + 2·d·n_kv·hd + 3·d·d_ff + 2d) + 2·V·d + d, i.e.
+    L·(4d² + 3·d·d_ff + 2d) + 2Vd + d for MHA (q, k, v, o; SwiGLU; two RMSNorm gains per
+    block; untied embedding and LM head; final norm). Per scheme ΔN (schemes.md):
+      Sandwich  +2Ld             an output RMSNorm per sublayer
+      LNS, DeepNorm, Post-LN     0 (1/sqrt(l) is a constant; LayerNorm without bias has d gains)
+      KEEL      +(2L-1)d          an outer norm on every sublayer but block 0's attention
+      HC        +2L·[m(m+1) + d(m+1) + 1 + m + d + 1]   static [A_m|A_r], W, s_alpha, static beta, w_beta, s_beta
+      mHC       +2L·[md(m²+2m) + (m²+2m) + 3]         phi, bias b, three scalar gates
+      Full / Block AttnRes  +4Ld  a pseudo-query and a key-norm gain (d each) per read, 2L reads
+      MoDA      +(L-1)·2·d·n_kv·hd   W_kv on blocks 0..L-2
+      ReZero    -2Ld + 2L         no norms, one scalar gate per sublayer
+      LayerScale +2Ld             a per-channel gain per sublayer
+      ResiDual  +d                one extra final norm (of the Pre-LN-style dual stream)
+    m = config.hc_streams. Returns an int; raises ValueError for an unknown scheme.
+    """
+    c = config
+    L, d, V, d_ff = c.n_layer, c.n_embd, c.vocab_size, c.ffn_hidden
+    hd, n_kv = _heads(d, c.n_head, c.n_kv_head)
+    base = L * (2 * d * d + 2 * d * n_kv * hd + 3 * d * d_ff + 2 * d) + 2 * V * d + d
+    m = c.hc_streams
+    delta = {
+        'preln': 0, 'lns': 0, 'deepnorm': 0, 'postln': 0,
+        'sandwich': 2 * L * d,
+        'keel': (2 * L - 1) * d,
+        'hc': 2 * L * (m * (m + 1) + d * (m + 1) + 1 + m + d + 1),
+        'mhc': 2 * L * (m * d * (m * m + 2 * m) + (m * m + 2 * m) + 3),
+        'attnres': 4 * L * d, 'blockattnres': 4 * L * d,
+        'moda': (L - 1) * 2 * d * n_kv * hd,
+        'rezero': -2 * L * d + 2 * L,
+        'layerscale': 2 * L * d,
+        'resdual': d,
+    }
+    if c.residual not in delta:
+        raise ValueError(f"param_count: no closed form for scheme {c.residual!r}; known: {', '.join(delta)}")
+    return base + delta[c.residual]
+
+# -----------------------------------------------------------------------------
+# cross-check against torch.utils.flop_counter
+
+
+def _mv_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
+    """aten.mv (n, k) @ (k,): 2nk FLOPs (FlopCounterMode has no formula for it)."""
+    return 2 * a_shape[0] * a_shape[1]
+
+
+def _addmv_flops(bias_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
+    return 2 * a_shape[0] * a_shape[1]
+
+
+def _dot_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
+    return 2 * a_shape[0]
+
+
+def flop_check(config, seq_len, batch=1, device='meta'):
+    """
+    Counts the FLOPs of one forward pass of GPT(config) on `batch` sequences of seq_len
+    tokens with torch.utils.flop_counter.FlopCounterMode, and the analytic count
+    batch · forward_flops(..., attention='full', logits='all').
+
+    Convention, so that both count the same things:
+      - the model is built on `device` (default 'meta': no memory, no arithmetic) and
+        run under torch.no_grad();
+      - attention runs under sdpa_kernel(SDPBackend.MATH): it is then two bmm's over
+        the full T×T matrix (4T²d per layer; GQA's k, v are expanded to all H heads),
+        which FlopCounterMode sees. With the default CPU kernel it sees no attention;
+      - aten.mv / addmv / dot get formulas (2 FLOPs per multiply-add): FlopCounterMode
+        counts only mm/bmm-like ops, and AttnRes's logits v_i · w are matrix-vector
+        products; einsums with a contraction become bmm and are counted;
+      - the LM head runs on all T positions (logits='all').
+    What it still cannot see: elementwise products, including broadcast weighted sums
+    and outer products (e.g. an HC write beta ⊗ f written as beta[..., None] * f), which
+    the analytic count includes as multiply-adds (BROADCAST_TERMS). Norms, RoPE, softmax
+    are not counted by either.
+
+    Returns dict(counted=int, analytic=int, missing=analytic - counted, by_op={op: FLOPs},
+    terms=extra_flop_terms scaled by batch). Units: FLOPs.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    aten = torch.ops.aten
+    cfg = GPTConfig(**{**config.__dict__, 'block_size': max(config.block_size, seq_len)})
+    with torch.device(device):
+        model = GPT(cfg)
+        idx = torch.zeros(batch, seq_len, dtype=torch.long)
+    counter = FlopCounterMode(display=False, custom_mapping={
+        aten.mv: _mv_flops, aten.addmv: _addmv_flops, aten.dot: _dot_flops})
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+        model(idx)
+    counted = counter.get_total_flops()
+    analytic = batch * config_flops(cfg, seq_len, attention='full', logits='all')
+    terms = {k: batch * v for k, v in extra_flop_terms(cfg.residual, cfg.n_layer, cfg.n_embd, seq_len,
+                                                        n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
+                                                        **_scheme_opts(cfg)).items()}
+    by_op = {str(k).removeprefix('aten.'): v for k, v in counter.get_flop_counts().get('Global', {}).items()}
+    return dict(counted=counted, analytic=analytic, missing=analytic - counted, by_op=by_op, terms=terms)
+
+# -----------------------------------------------------------------------------
+# measured prefill (Fig. 11, probes.md §9)
+
+
+def _rss_bytes():
+    """Current resident set size of this process (bytes), from /proc; None where unavailable."""
+    try:
+        with open('/proc/self/statm') as f:
+            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _peak_rss_bytes():
+    """Peak resident set size of this process so far (bytes): ru_maxrss is KiB on Linux, bytes on macOS."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == 'darwin' else peak * 1024
+
+
+def _measure_one(cfg_kw, batch, seq_len, device, dtype, warmup, iters, seed=0):
+    """Builds one model and times its prefill; see measure_prefill. Returns a dict."""
+    device = torch.device(device)
+    rss0 = _rss_bytes() if device.type == 'cpu' else None  # before the model exists
+    torch.manual_seed(seed)
+    cfg = GPTConfig(**cfg_kw, block_size=seq_len)
+    with torch.device(device):
+        model = GPT(cfg)
+    for prm in model.parameters():  # weights in dtype; buffers (RoPE tables) stay fp32
+        prm.data = prm.data.to(getattr(torch, dtype))
+    model.eval()
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
+    autocast = torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != 'float32')
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
+
+    def prefill():
+        with torch.inference_mode(), autocast:
+            h = model.hidden(idx)                   # (B, T, d)
+            return model.head(h[:, -1:, :])        # (B, 1, V): the next-token logits only
+
+    for _ in range(warmup):
+        prefill()
+    sync()
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        prefill()
+        sync()
+        times.append(time.perf_counter() - t0)
+    if device.type == 'cuda':
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = _peak_rss_bytes() - rss0 if rss0 is not None else None
+    latency = statistics.median(times)
+    tokens = batch * seq_len
+    return dict(scheme=cfg.residual, L=cfg.n_layer, d=cfg.n_embd, batch=batch, seq_len=seq_len,
+                device=str(device), dtype=dtype, params=model.num_params(), latency_s=latency,
+                tokens_per_s=tokens / latency, peak_mem_bytes=peak,
+                hours_per_1B=latency / tokens * 1e9 / 3600, times_s=times)
+
+
+def measure_prefill(schemes, shapes, batch=8, seq_len=4096, device='cuda', dtype=None, warmup=3, iters=10,
+                    **config_kw):
+    """
+    Measured prefill cost (Fig. 11; probes.md §9) of every (scheme, shape).
+
+    schemes: scheme names (registered in residuals.RESIDUALS); shapes: (L, d) pairs or
+    (L, d, dict of extra GPTConfig keys, e.g. n_kv_head); config_kw: GPTConfig keys for
+    every model (vocab_size, n_head, ...). Each model gets random weights and a random
+    (batch, seq_len) batch of token ids; a pass is the prefill of a generation: the
+    blocks on all T tokens and the LM head on the last position only, under
+    torch.inference_mode(), weights in `dtype` (default bfloat16 on CUDA, float32 on CPU)
+    with autocast. `warmup` passes, then `iters` timed ones, each synchronised.
+
+    Returns a list of dicts (one per scheme x shape, in that order) with
+      latency_s      median wall time of the timed passes (s)
+      tokens_per_s   batch · T / latency_s
+      peak_mem_bytes CUDA: torch.cuda.max_memory_allocated after a reset that follows the
+                     warm-up (weights + activations of a pass). CPU: the peak RSS of a
+                     fresh process (each config runs in its own spawned subprocess, since
+                     ru_maxrss never decreases) minus its RSS before the model was built,
+                     i.e. weights + the largest working set, incl. model construction.
+      hours_per_1B   device-hours per 1B prefill tokens = latency_s / (batch·T) · 1e9 / 3600
+    plus scheme, L, d, batch, seq_len, device, dtype, params, times_s; a config that runs
+    out of GPU memory gets error='OOM' and None values.
+    Raises ValueError for an unknown scheme or device.
+    """
+    from residuals import RESIDUALS
+    bad = [s for s in schemes if s not in RESIDUALS]
+    if bad:
+        raise ValueError(f"cannot measure {', '.join(bad)}: not in residuals.RESIDUALS ({', '.join(RESIDUALS)})")
+    device = torch.device(device)
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no GPU is available: use --device=cpu")
+    if device.type not in ('cuda', 'cpu'):
+        raise ValueError(f"device {device}: measure on 'cuda' or 'cpu'")
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"warmup={warmup}, iters={iters}: need warmup >= 0 and iters >= 1")
+    dtype = dtype or ('bfloat16' if device.type == 'cuda' else 'float32')
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"dtype {dtype!r}: use bfloat16, float16 or float32")
+    out = []
+    for scheme, shape in itertools.product(schemes, shapes):
+        L, d, extra = (*shape, {}) if len(shape) == 2 else shape
+        kw = dict(config_kw, **extra, residual=scheme, n_layer=L, n_embd=d)
+        args = (kw, batch, seq_len, str(device), dtype, warmup, iters)
+        if device.type == 'cpu':  # a fresh process per config: ru_maxrss is a per-process high-water mark
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn')) as pool:
+                out.append(pool.submit(_measure_one, *args).result())
+            continue
+        try:
+            out.append(_measure_one(*args))
+        except torch.cuda.OutOfMemoryError:
+            out.append(dict(scheme=scheme, L=L, d=d, batch=batch, seq_len=seq_len, device=str(device), dtype=dtype,
+                            latency_s=None, tokens_per_s=None, peak_mem_bytes=None, hours_per_1B=None, error='OOM'))
+        torch.cuda.empty_cache()
+    return out
+
+# -----------------------------------------------------------------------------
+# tables, figure, CLI
+
+
+def family_shapes(family):
+    """[(L, d, extra GPTConfig keys)], config keys shared by the family (vocab_size, n_head)
+    for a family of families.py; the built-in main shapes if families.py is missing.
+    Raises ValueError for an unknown family."""
+    try:
+        import families
+    except ImportError:
+        if family != 'main':
+            raise ValueError(f"family {family!r} needs families.py; without it only 'main' is known")
+        return [(L, d, {}) for L, d in MAIN_SHAPES], {}
+    if family not in families.FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of: {', '.join(families.FAMILIES)}")
+    fam = families.FAMILIES[family]
+    fields = set(GPTConfig.__dataclass_fields__)
+    shapes = list(dict.fromkeys((s.L, s.d, tuple(sorted((k, v) for k, v in s.extra.items() if k in fields)))
+                                for s in fam.shapes))  # cross-scale may repeat a shape
+    return [(L, d, dict(extra)) for L, d, extra in shapes], dict(vocab_size=fam.vocab_size, n_head=fam.n_head)
+
+
+def cost_rows(schemes, shapes, seq_len=4096, logits='last', attention='causal', **config_kw):
+    """
+    The analytic table: one dict per (shape, scheme) with scheme, L, d, ratio (d/L),
+    params (param_count), flops (forward_flops of one sequence, study convention by
+    default), extra_flops, extra_pct (100·ΔF / F_Pre-LN of the same shape), kv_bytes
+    (kv_cache_bytes, bf16, one sequence). shapes: (L, d) or (L, d, extra config keys).
+    """
+    rows = []
+    for shape in shapes:
+        L, d, extra = (*shape, {}) if len(shape) == 2 else shape
+        for scheme in schemes:
+            cfg = GPTConfig(**{**config_kw, **extra}, residual=scheme, n_layer=L, n_embd=d, block_size=seq_len)
+            flops = config_flops(cfg, seq_len, logits=logits, attention=attention)
+            dF = extra_flops(scheme, L, d, seq_len, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, **_scheme_opts(cfg))
+            rows.append(dict(scheme=scheme, L=L, d=d, ratio=d / L, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
+                             ffn_hidden=cfg.ffn_hidden, params=param_count(cfg), flops=flops, extra_flops=dF,
+                             extra_pct=100 * dF / (flops - dF),
+                             kv_bytes=kv_cache_bytes(L, d, seq_len, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
+                                                     residual=scheme)))
+    return rows
+
+
+def _num(x, digits=2):
+    """x with `digits` decimals if that shows >= 3 significant digits, else with 3 significant digits."""
+    return f"{x:.{digits}f}" if abs(x) >= 10 ** (2 - digits) or x == 0 else f"{x:.3g}"
+
+
+def format_table(rows):
+    """The cost table as text (a markdown table); measured columns when rows carry them."""
+    measured = any(r.get('latency_s') is not None or r.get('error') for r in rows)
+    head = ['scheme', 'L', 'd', 'd/L', 'params (M)', 'prefill TFLOPs/seq', 'ΔF/F %', 'KV cache (MB)']
+    if measured:
+        head += ['latency (ms)', 'tokens/s', 'peak mem (GB)', 'hours / 1B tok']
+    lines = ['| ' + ' | '.join(head) + ' |', '|' + '|'.join('---' for _ in head) + '|']
+    for r in rows:
+        cells = [r['scheme'], str(r['L']), str(r['d']), f"{r['ratio']:.2f}", f"{r['params'] / 1e6:.2f}",
+                 _num(r['flops'] / 1e12), f"{r['extra_pct']:.2f}", _num(r['kv_bytes'] / 1e6, 0)]
+        if measured:
+            if r.get('latency_s') is None:
+                cells += [r.get('error', '-')] + ['-'] * 3
+            else:
+                peak = r['peak_mem_bytes']
+                cells += [f"{r['latency_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}",
+                          '-' if peak is None else f"{peak / 1e9:.2f}", f"{r['hours_per_1B']:.3f}"]
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def read_losses(path):
+    """{(scheme, L, d): val_loss} from a results file: a list of {scheme, n_layer, n_embd,
+    val_loss} or sweep.py's {"runs": [{scheme, L, d, val_loss}]}; rows without a loss
+    are skipped. Raises FileNotFoundError / ValueError with the fix."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"results file {path} not found: run `python sweep.py family=...` or drop --results")
+    with open(path) as f:
+        data = json.load(f)
+    rows = data.get('runs') if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected a list of runs or {{'runs': [...]}}")
+    out = {}
+    for r in rows:
+        L, d = r.get('n_layer', r.get('L')), r.get('n_embd', r.get('d'))
+        if r.get('val_loss') is not None and None not in (r.get('scheme'), L, d):
+            out[(r['scheme'], int(L), int(d))] = float(r['val_loss'])
+    return out
+
+
+def plot(rows, path, losses=None, title=''):
+    """Fig. 11-style figure: prefill TFLOPs/sequence and KV cache vs d/L, and when measured
+    peak memory and device-hours per 1B tokens, and when given validation loss; one line
+    per scheme. Writes `path` (png)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    panels = [('flops', 1e12, 'prefill TFLOPs / sequence'), ('kv_bytes', 1e6, 'KV cache (MB)')]
+    if any(r.get('latency_s') is not None for r in rows):
+        panels += [('peak_mem_bytes', 1e9, 'peak memory (GB)'), ('hours_per_1B', 1, 'device-hours / 1B prefill tokens')]
+    if losses:
+        rows = [dict(r, val_loss=losses.get((r['scheme'], r['L'], r['d']))) for r in rows]
+        if any(r['val_loss'] is not None for r in rows):
+            panels.append(('val_loss', 1, 'validation loss (nats)'))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    schemes = list(dict.fromkeys(r['scheme'] for r in rows))
+    ticks = sorted({(r['ratio'], r['L']) for r in rows})
+    styles = itertools.cycle(itertools.product(('-', '--', ':'), 'osd^v'))  # schemes that coincide stay visible
+    style = {s: next(styles) for s in schemes}
+    for ax, (key, scale, label) in zip(axes[0], panels):
+        for s in schemes:
+            pts = sorted((r['ratio'], r[key] / scale) for r in rows if r['scheme'] == s and r.get(key) is not None)
+            if pts:
+                ax.plot(*zip(*pts), linestyle=style[s][0], marker=style[s][1], ms=3, label=s)
+        ax.set_xscale('log')
+        ax.set_xticks([x for x, _ in ticks], [f"{x:.0f}\nL={L}" for x, L in ticks], fontsize=7)
+        ax.minorticks_off()
+        ax.set_xlabel('d / L (log scale)')
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def _parse_shapes(text):
+    try:
+        return [tuple(int(x) for x in s.lower().split('x')) for s in text.split(',') if s]
+    except ValueError:
+        raise ValueError(f"--shapes={text}: write LxD pairs, e.g. --shapes=16x1216,32x896") from None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Analytic and measured cost of depth (DESIGN §8, Fig. 11).")
+    p.add_argument('--schemes', default=','.join(STUDY_SCHEMES), help='comma-separated scheme names')
+    p.add_argument('--family', default='main', help='experiment family of families.py (its shapes)')
+    p.add_argument('--shapes', default=None, help='LxD pairs instead of the family shapes, e.g. 16x1216,32x896')
+    p.add_argument('--seq_len', type=int, default=4096, help='prefill length T')
+    p.add_argument('--logits', default='last', choices=('last', 'all'), help='LM head positions in the FLOPs')
+    p.add_argument('--attention', default='causal', choices=('causal', 'full'), help='attention FLOP convention')
+    p.add_argument('--measure', action='store_true', help='also time the prefill')
+    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--dtype', default=None, help='default: bfloat16 on cuda, float32 on cpu')
+    p.add_argument('--batch', type=int, default=8, help='sequences per measured prefill')
+    p.add_argument('--warmup', type=int, default=3)
+    p.add_argument('--iters', type=int, default=10)
+    p.add_argument('--results', default=None,
+                   help='results.json with val_loss (default: out/<family>/results.json if present)')
+    p.add_argument('--out', default='out/cost', help='output folder for cost.json and cost.png')
+    args = p.parse_args(argv)
+    try:
+        schemes = [s for s in args.schemes.split(',') if s]
+        known = STUDY_SCHEMES + EXTRA_SCHEMES
+        bad = [s for s in schemes if s not in known]
+        if bad:
+            raise ValueError(f"unknown scheme {', '.join(bad)}; choose from: {', '.join(known)}")
+        if args.seq_len < 1 or args.batch < 1:
+            raise ValueError("--seq_len and --batch must be >= 1")
+        shapes, config_kw = family_shapes(args.family)
+        if args.shapes:
+            by_shape = {(L, d): extra for L, d, extra in shapes}
+            shapes = [(L, d, by_shape.get((L, d), {})) for L, d in _parse_shapes(args.shapes)]
+        rows = cost_rows(schemes, shapes, args.seq_len, args.logits, args.attention, **config_kw)
+        if args.measure:
+            measured = measure_prefill(schemes, shapes, args.batch, args.seq_len, args.device, args.dtype,
+                                       args.warmup, args.iters, **config_kw)
+            by_key = {(m['scheme'], m['L'], m['d']): m for m in measured}
+            rows = [dict(r, **{k: v for k, v in by_key[(r['scheme'], r['L'], r['d'])].items()
+                               if k not in ('scheme', 'L', 'd', 'params')}) for r in rows]
+        results = args.results or os.path.join('out', args.family, 'results.json')
+        losses = read_losses(results) if args.results or os.path.exists(results) else None
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    convention = (f"T={args.seq_len}, attention {args.attention} "
+                  f"({'2' if args.attention == 'causal' else '4'}T²d), LM head on "
+                  f"{'the last position' if args.logits == 'last' else 'all positions'}, KV bf16 for one sequence")
+    print(f"cost of depth, family {args.family}: {convention}")
+    print(format_table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, 'cost.json'), 'w') as f:
+        json.dump(dict(family=args.family, seq_len=args.seq_len, logits=args.logits, attention=args.attention,
+                       convention=convention, command='python cost.py ' + ' '.join(argv if argv is not None
+                                                                                   else sys.argv[1:]),
+                       rows=rows), f, indent=1)
+    plot(rows, os.path.join(args.out, 'cost.png'), losses, title=f"{args.family}: {convention}")
+    print(f"wrote {os.path.join(args.out, 'cost.json')} and cost.png")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""
+The shared DepthBench backbone (DESIGN §3): a LLaMA-like decoder-only transformer.
+
+Token embedding -> L blocks of (attention, SwiGLU MLP) -> final RMSNorm -> untied LM
+head. RMSNorm, RoPE (theta 10000), MHA or GQA through F.scaled_dot_product_attention,
+no biases, truncated-normal(0.02) init.
+
+This file knows nothing of any residual scheme. The model holds the 2L *branches*
+F_1..F_2L (attention, MLP, attention, MLP, ...) without norms; how they are wired
+together (norms, residual adds, streams, depth attention) belongs to the scheme in
+`residuals.py`, selected by `GPTConfig.residual`. A forward pass is
+
+    state = scheme.begin(embedding)
+    for b in order:  state = scheme.block(state, b, blocks[b], rope)   # or scheme.skip
+    h = scheme.end(state)                                              # (B, T, d)
+    logits = lm_head(norm_f(h))
+
+so skipping, swapping or dropping blocks is just another `order` / `skip` for every
+scheme alike (the diagnostics of DESIGN §7 use exactly that).
+
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, residual='attnres'))
+    logits, loss = model(idx, targets)        # idx, targets: (B, T) int64
+"""
+
+import inspect
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def ffn_hidden_size(n_embd):
+    """SwiGLU hidden width of the study, 16 * ceil(8d/3 / 16) (DESIGN §3)."""
+    return 16 * math.ceil(8 * n_embd / 3 / 16)
+
+
+@dataclass
+class GPTConfig:
+    # backbone (DESIGN §3)
+    vocab_size: int = 50280        # GPT-2 BPE has 50257 tokens; padded to the study's 50280
+    block_size: int = 1024         # maximum sequence length T
+    n_layer: int = 12              # L blocks = 2L sublayers
+    n_head: int = 16               # query heads; head_dim = n_embd / n_head
+    n_kv_head: int | None = None   # key/value heads (GQA); None = n_head (MHA)
+    n_embd: int = 768              # d, the residual width
+    ffn_hidden: int | None = None  # SwiGLU width; None = 16 * ceil(8d/3 / 16)
+    norm_eps: float = 1e-6         # RMSNorm epsilon
+    rope_theta: float = 10000.0
+    init_std: float = 0.02         # truncated normal, cut at +-3 std
+    residual: str = 'preln'        # the residual scheme, a key of residuals.RESIDUALS
+    # scheme options (ignored by the schemes that do not use them)
+    hc_streams: int = 4            # HC / mHC: number of streams m
+    hc_out_init_scale: bool = False  # HC / mHC: divide attn-out and MLP-down init by sqrt(m)
+    mhc_sinkhorn_iters: int = 20   # mHC: Sinkhorn-Knopp iterations on the mixing matrix
+    mhc_init: str = 'gap8'         # mHC: 'gap8' (near identity) or 'uniform'
+    attnres_blocks: int = 8        # Block AttnRes: number of blocks (block size 2L / this)
+    layerscale_init: float = 1e-4  # LayerScale: initial per-channel gain
+
+    def __post_init__(self):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.ffn_hidden is None:
+            self.ffn_hidden = ffn_hidden_size(self.n_embd)
+        for name in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'ffn_hidden'):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                             f"choose n_embd a multiple of n_head (head_dim = n_embd / n_head)")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"head_dim = n_embd / n_head = {self.n_embd // self.n_head} must be even for RoPE")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head} (GQA groups)")
+
+    @classmethod
+    def from_dict(cls, d):
+        """Builds a config from a dict, ignoring keys that are not config fields."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# -----------------------------------------------------------------------------
+# building blocks
+
+class RMSNorm(nn.Module):
+    """y = g * x / sqrt(mean(x^2) + eps), over the last dim; gain g (d) initialised to 1."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+def rope_cache(seq_len, head_dim, theta=10000.0, device=None):
+    """cos, sin of shape (seq_len, head_dim/2) for rotary position embedding (RoPE)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotates pairs (x_i, x_{i+hd/2}) of x (B, H, T, hd) by the position angle; cos/sin (T, hd/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    y = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return y.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal multi-head (or grouped-query) self-attention with RoPE, no biases.
+
+    `qkv` and `out` are exposed separately so that a scheme which extends attention
+    (MoDA's depth keys) can reuse the same projections.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
+
+    def qkv(self, x):
+        """x (B, T, d) -> q (B, H, T, hd), k and v (B, H_kv, T, hd); no RoPE applied yet."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def out(self, y):
+        """y (B, H, T, hd) -> (B, T, d) through the output projection."""
+        B, H, T, hd = y.shape
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * hd))
+
+    def forward(self, x, rope):
+        q, k, v = self.qkv(x)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, hd)
+        return self.out(y)
+
+
+class MLP(nn.Module):
+    """SwiGLU: w_down(silu(w_gate x) * w_up x), hidden width cfg.ffn_hidden, no biases."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.w_up = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    """The two branches of one transformer block, without norms or residual adds:
+    attn(x, rope) and mlp(x), both (B, T, d) -> (B, T, d)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+
+# -----------------------------------------------------------------------------
+# the model
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        from residuals import RESIDUALS  # residuals.py imports this file's building blocks
+        if config.residual not in RESIDUALS:
+            raise ValueError(f"unknown residual scheme {config.residual!r}; known: {', '.join(RESIDUALS)}")
+        self.config = cfg = config
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.residual = RESIDUALS[cfg.residual](cfg)
+        self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied from wte
+        cos, sin = rope_cache(cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_theta)
+        self.register_buffer('rope_cos', cos, persistent=False)  # (block_size, hd/2)
+        self.register_buffer('rope_sin', sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Every tensor's initial value, in one place (schemes.md "default init"):
+        - wte, lm_head and every Linear of the blocks (wq, wk, wv, wo, w_gate, w_up, w_down):
+          normal(0, init_std) truncated at +-3 std; no depth-scaled output init;
+        - norm_f gain: 1;
+        - then the scheme's own `init_weights(model)`: its norms, gains, queries and
+          routing parameters, and any scheme-specific rescaling of the backbone
+          (DeepNorm's beta, HC's optional 1/sqrt(m)). It runs last so that nothing
+          overwrites e.g. the zero-initialised AttnRes pseudo-queries.
+        Call it again to re-initialise a model; it never touches buffers."""
+        std = self.config.init_std
+        for w in [self.wte.weight, self.lm_head.weight] + [m.weight for m in self.blocks.modules()
+                                                            if isinstance(m, nn.Linear)]:
+            nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        self.norm_f.reset_parameters()
+        self.residual.init_weights(self)
+        if self.rope_cos.device.type != 'meta':  # recompute in case the module was moved via to_empty()
+            cos, sin = rope_cache(self.config.block_size, self.config.n_embd // self.config.n_head,
+                                  self.config.rope_theta, device=self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def num_params(self, non_embedding=False):
+        """Number of parameters; non_embedding=True leaves out the token embedding
+        (a lookup, not a matmul; the LM head is counted since it is a matmul)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wte.weight.numel() if non_embedding else n
+
+    def hidden(self, idx, order=None, skip=(), record=None):
+        """Runs the embedding and the blocks; returns h (B, T, d), the input of the final norm.
+
+        idx: (B, T) int64 token ids, T <= block_size.
+        order: block indices to run, in order (default range(n_layer)); dropping a block
+            is an order without it, swapping two blocks is an order with them exchanged.
+            The parameters of a block travel with its index.
+        skip: block indices to *skip* with the scheme's skip rule (probes.md §2): the block
+            keeps its place in the order but contributes nothing.
+        record: if a list, (probe_state, lens_state) after the embedding and after each
+            block (len(order) + 1 entries) is appended to it (DESIGN §2, probes.md §0, §5).
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        rope = (self.rope_cos[:T], self.rope_sin[:T])
+        res = self.residual
+        state = res.begin(self.wte(idx))
+        if record is not None:
+            record.append((res.probe(state), res.lens(state)))
+        for b in (range(self.config.n_layer) if order is None else order):
+            state = res.skip(state, b) if b in skip else res.block(state, b, self.blocks[b], rope)
+            if record is not None:
+                record.append((res.probe(state), res.lens(state)))
+        return res.end(state)
+
+    def head(self, h):
+        """LM head on a hidden state h (B, T, d) -> logits (B, T, V): lm_head(norm_f(h))."""
+        return self.lm_head(self.norm_f(h))
+
+    def forward(self, idx, targets=None, order=None, skip=()):
+        """idx, targets: (B, T) int64 -> logits (B, T, V), loss (mean next-token cross-entropy
+        in nats over targets != -1, None without targets)."""
+        logits = self.head(self.hidden(idx, order, skip))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    # -------------------------------------------------------------------------
+    # optimizer and efficiency
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, eps=1e-8, device_type='cpu'):
+        """AdamW with weight decay on matrices only (DESIGN §6, schemes.md): embedding,
+        LM head and linear weights decay; norm gains, pseudo-queries, scalar gates and the
+        parameters a scheme lists in `no_weight_decay()` (HC/mHC static routing) do not."""
+        no_decay = {'residual.' + n for n in self.residual.no_weight_decay()}
+        decay, other = [], []
+        for n, p in self.named_parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 and n not in no_decay else other).append(p)
+        groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': other, 'weight_decay': 0.0}]
+        fused = device_type == 'cuda' and 'fused' in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12*L*d*T,
+        N = parameters excluding the embedding lookup. Full (non-causal) attention is
+        counted, as in PaLM; cost.py has the exact per-scheme forward formulas."""
+        cfg = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+# dense bf16 peak FLOP/s per accelerator (vendor datasheets); unknown -> no MFU
+PEAK_FLOPS = [  # (substring of torch.cuda.get_device_name(), peak)
+    ('H200', 989e12), ('H100', 989e12), ('H800', 989e12), ('GH200', 989e12),
+    ('B200', 2250e12), ('A100', 312e12), ('A800', 312e12), ('L40S', 362e12),
+    ('L4', 121e12), ('A10G', 125e12), ('A10', 125e12), ('RTX 4090', 165e12),
+    ('RTX 3090', 71e12), ('V100', 125e12), ('MI300X', 1307e12), ('MI250X', 383e12),
+]
+
+
+def peak_flops(device):
+    """Dense bf16 peak FLOP/s of `device` (torch.device or str), or None when unknown (CPU,
+    or an accelerator not in PEAK_FLOPS: better no MFU than a wrong one)."""
+    device = torch.device(device)
+    if device.type != 'cuda' or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_FLOPS:
+        if key in name:
+            return peak
+    return None
+
+
+def estimate_mfu(model, tokens_per_s, seq_len, device, n_devices=1):
+    """Model FLOPs utilisation: achieved training FLOP/s / (peak FLOP/s x devices), in [0, 1],
+    or None when the device's peak is unknown."""
+    peak = peak_flops(device)
+    if peak is None:
+        return None
+    return model.flops_per_token(seq_len) * tokens_per_s / (peak * n_devices)

@@ -1,0 +1,630 @@
+"""
+The residual schemes of DepthBench (DESIGN §4, schemes.md): one class each, one
+registry `RESIDUALS` (name -> class) that `GPTConfig.residual` selects from.
+
+A scheme owns the wiring between the 2L branches of the backbone (model.py holds the
+branches without norms): its norms, its extra parameters, its state (one residual
+stream, m streams, or the history of sources), and its readout before the final norm.
+
+The interface every scheme implements (`Residual`):
+
+    state = begin(x)                     x: token embedding (B, T, d)
+    state = block(state, b, layer, rope) run block b: layer.attn(x, rope), layer.mlp(x)
+    state = skip(state, b)               the study's "skip block b" rule (probes.md §2)
+    h     = end(state)                   (B, T, d), goes into the final RMSNorm + LM head
+    probe(state), lens(state)            the depth state z_l and the LogitLens readout r_l
+                                         after the blocks run so far (probes.md §0, §5)
+
+Parameters of block b live in `self.layers[b]` (and are looked up by b, never by the
+position in the order), so when a diagnostic swaps two blocks, each block's weights,
+norms and routing parameters travel with it (probes.md §3).
+
+States are never modified in place: a diagnostic may keep the state after a shared
+prefix of blocks and continue it several times (probe.py).
+
+Per-sublayer coefficients (HC/mHC read/mix/write weights, AttnRes depth-softmax
+weights) are recorded while a `trace()` is active:
+
+    with model.residual.trace() as tape:
+        model(idx)
+    tape  # list of dicts, one per sublayer: {'block': b, 'sublayer': 0|1, ...tensors}
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import RMSNorm, apply_rope
+
+
+class Residual(nn.Module):
+    """Base class of the schemes. Subclasses implement begin/block/end and may override
+    skip/probe/lens. The default state is one residual stream h (B, T, d)."""
+
+    peak_lr = 2e-3  # the study's peak learning rate for this scheme (DESIGN §6)
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tape = None  # list while trace() is active, else None
+
+    def init_weights(self, model):
+        """(Re)initialises every parameter of the scheme; may rescale the backbone's
+        weights (`model.blocks`). Called last by GPT.init_weights. Default: every norm gain
+        of the scheme is 1."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, nn.LayerNorm)):
+                m.reset_parameters()
+
+    def no_weight_decay(self):
+        """Names (relative to this module) of matrix-shaped parameters that must not be
+        weight-decayed. Vectors and scalars are never decayed."""
+        return set()
+
+    def begin(self, x):
+        return x
+
+    def block(self, state, b, layer, rope):
+        raise NotImplementedError
+
+    def skip(self, state, b):
+        """Skip block b: by default the block is the identity (its output equals its input)."""
+        return state
+
+    def end(self, state):
+        return state
+
+    def probe(self, state):
+        return state
+
+    def lens(self, state):
+        return state
+
+    @contextlib.contextmanager
+    def trace(self):
+        """Records per-sublayer coefficients (detached) into a list while active."""
+        self.tape = []
+        try:
+            yield self.tape
+        finally:
+            self.tape = None
+
+    def record(self, b, j, **tensors):
+        if self.tape is not None:
+            self.tape.append({'block': b, 'sublayer': j, **{k: v.detach() for k, v in tensors.items()}})
+
+
+class PreNormLayer(nn.Module):
+    """The pre-norms of one block: attn_norm and mlp_norm (RMSNorm, gain 1)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+
+
+class SingleStream(Residual):
+    """A scheme with one residual stream h (B, T, d) whose two sublayers differ only in
+    the update rule `sublayer(h, b, j, f)`, j = 0 for attention, 1 for the MLP, f the
+    branch function. probe = lens = h (probes.md §0, residual family)."""
+
+    def sublayer(self, h, b, j, f):
+        raise NotImplementedError
+
+    def block(self, h, b, layer, rope):
+        h = self.sublayer(h, b, 0, lambda x: layer.attn(x, rope))
+        return self.sublayer(h, b, 1, layer.mlp)
+
+
+# -----------------------------------------------------------------------------
+# Pre-LN
+
+class PreLN(SingleStream):
+    """Pre-LN (Xiong et al. 2020, arXiv 2002.04745), the baseline of DESIGN §4:
+
+        h <- h + F(RMSNorm(h))
+
+    for every sublayer. No parameters beyond one RMSNorm gain per sublayer."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.layers = nn.ModuleList([PreNormLayer(cfg) for _ in range(cfg.n_layer)])
+
+    def sublayer(self, h, b, j, f):
+        norm = (self.layers[b].attn_norm, self.layers[b].mlp_norm)[j]
+        return h + f(norm(h))
+
+
+# -----------------------------------------------------------------------------
+# Attention Residuals
+
+def inv_rms(v, eps):
+    """1 / sqrt(mean(v^2) + eps) over the last dim, in fp32: v (B, T, d) -> (B, T, 1)."""
+    return torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
+def depth_mix(sources, inv_rmses, query, key_gain):
+    """Depth attention of AttnRes (arXiv 2603.15031; DESIGN §4):
+
+        e_i = w^T RMSNorm_key(v_i) = (v_i . (w * g)) / rms(v_i),   a = softmax_i(e),   z = sum_i a_i v_i
+
+    sources: n tensors v_i (B, T, d); inv_rmses: their 1/rms (B, T, 1), computed once per
+    source; query w and key-norm gain g: (d,). No 1/sqrt(d), temperature 1, softmax in
+    fp32. Scoring with v . (w * g) never materialises the normalised keys.
+    Returns z (B, T, d) in the sources' dtype and the weights a (n, B, T) in fp32."""
+    V = torch.stack(sources)                                   # (n, B, T, d)
+    s = torch.stack(inv_rmses).squeeze(-1)                     # (n, B, T)
+    logits = (V @ (query * key_gain).to(V.dtype)).float() * s  # (n, B, T)
+    a = torch.softmax(logits, dim=0)                           # (n, B, T)
+    z = torch.einsum('nbt,nbtd->btd', a.to(V.dtype), V)        # (B, T, d)
+    return z, a
+
+
+class DepthMixer(nn.Module):
+    """One AttnRes read: a pseudo-query w (d, zero init) and a key-norm gain g (d, init 1)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.eps = cfg.norm_eps
+        self.query = nn.Parameter(torch.zeros(cfg.n_embd))
+        self.key_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+
+    def forward(self, sources, inv_rmses):
+        return depth_mix(sources, inv_rmses, self.query, self.key_norm.weight)
+
+
+class AttnResLayer(PreNormLayer):
+    """Block b of AttnRes: the two pre-norms, the mixer that reads the MLP input, and the
+    mixer that reads block b's *output*: the input of block b+1's attention, or, for the
+    last block, the final aggregator. (Block 0's attention reads the embedding directly,
+    so every read has exactly one owner and a swap moves a block's MLP-side and
+    output-side mixers with it, as in probes.md §3.)"""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.mlp_mix = DepthMixer(cfg)
+        self.out_mix = DepthMixer(cfg)
+
+
+class AttnRes(Residual):
+    """Full Attention Residuals (arXiv 2603.15031; schemes.md "Full AttnRes").
+
+    Sources v_0 = token embedding, v_{k+1} = raw output of sublayer k. Sublayer k reads
+
+        z_k = sum_{i<=k} a_ki v_i,  a_k = softmax_i(w_k^T RMSNorm_key,k(v_i)),   f_k = F_k(RMSNorm_pre,k(z_k))
+
+    with a zero-initialised pseudo-query w_k (d): at init every read is the mean of its
+    sources, whose RMSNorm equals Pre-LN's (up to eps). Block 0's attention reads
+    RMSNorm(v_0) and has no depth parameters; a final aggregator mixes all 2L+1 sources
+    into the input of the final RMSNorm. Extra parameters: 2d per read, 4Ld in all.
+
+    State: (sources, their 1/rms, mix) where mix is the raw depth mix the next block's
+    attention reads: probe and lens state z_l (probes.md §0, §5).
+    Skip rule (probes.md §2): a skipped block adds no sources, and the next read is the
+    identity on the newest source. Unlike the study's code, skipping block 0 does not put
+    the embedding into the bank twice.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.layers = nn.ModuleList([AttnResLayer(cfg) for _ in range(cfg.n_layer)])
+
+    def init_weights(self, model):
+        super().init_weights(model)
+        for layer in self.layers:  # the zero init that makes every first read a uniform mean
+            nn.init.zeros_(layer.mlp_mix.query)
+            nn.init.zeros_(layer.out_mix.query)
+
+    def begin(self, x):
+        return (x,), (inv_rms(x, self.cfg.norm_eps),), x
+
+    def block(self, state, b, layer, rope):
+        sources, inv_rmses, mix = state
+        p = self.layers[b]
+        f = layer.attn(p.attn_norm(mix), rope)
+        sources, inv_rmses = sources + (f,), inv_rmses + (inv_rms(f, self.cfg.norm_eps),)
+        z, a = p.mlp_mix(sources, inv_rmses)
+        self.record(b, 1, weights=a)
+        f = layer.mlp(p.mlp_norm(z))
+        sources, inv_rmses = sources + (f,), inv_rmses + (inv_rms(f, self.cfg.norm_eps),)
+        mix, a = p.out_mix(sources, inv_rmses)
+        self.record(b + 1, 0, weights=a)  # the read of the next block's attention (or the final one)
+        return sources, inv_rmses, mix
+
+    def skip(self, state, b):
+        sources, inv_rmses, _ = state
+        return sources, inv_rmses, sources[-1]
+
+    def end(self, state):
+        return state[2]
+
+    def probe(self, state):
+        return state[2]
+
+    def lens(self, state):
+        return state[2]
+
+
+# ---- single-stream schemes ---------------------------------------------------
+# Sandwich-LN, LNS, DeepNorm, KEEL and the classic variants Post-LN, ReZero, LayerScale,
+# ResiDual. Every one keeps one residual stream; a skipped block is the identity.
+
+SIDES = ('attn', 'mlp')  # sublayer j = 0, 1
+
+
+def rmsnorm(cfg):
+    """A fresh RMSNorm of width d with the config's eps (gain 1)."""
+    return RMSNorm(cfg.n_embd, cfg.norm_eps)
+
+
+class SublayerParams(nn.Module):
+    """The parameters of one block of a single-stream scheme: for every keyword
+    `name=make`, one `make(cfg)` per sublayer, registered as attn_<name> and mlp_<name>.
+    `norm=rmsnorm` gives attn_norm / mlp_norm, the names of Pre-LN's pre-norms, so Pre-LN
+    weights load into a scheme with `load_state_dict(strict=False)`. A part set to None
+    afterwards is absent (KEEL block 0's outer attention norm)."""
+
+    def __init__(self, cfg, **parts):
+        super().__init__()
+        for name, make in parts.items():
+            for side in SIDES:
+                setattr(self, f'{side}_{name}', make(cfg))
+
+    def get(self, name, j):
+        """The part `name` of sublayer j (0 attention, 1 MLP), or None."""
+        return getattr(self, f'{SIDES[j]}_{name}')
+
+
+def per_block(cfg, **parts):
+    """self.layers of a single-stream scheme: n_layer SublayerParams(cfg, **parts)."""
+    return nn.ModuleList([SublayerParams(cfg, **parts) for _ in range(cfg.n_layer)])
+
+
+class Sandwich(SingleStream):
+    """Sandwich-LN (CogView, arXiv 2105.13290; the study's Peri-LN block), DESIGN §4:
+
+        h <- h + RMSNorm_out(F(RMSNorm_in(h)))
+
+    One extra RMSNorm (gain 1) on every sublayer's output and none on the embedding:
+    +2Ld parameters over Pre-LN."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.layers = per_block(cfg, norm=rmsnorm, out_norm=rmsnorm)
+
+    def sublayer(self, h, b, j, f):
+        p = self.layers[b]
+        return h + p.get('out_norm', j)(f(p.get('norm', j)(h)))
+
+
+class LNS(PreLN):
+    """LayerNorm Scaling ("The Curse of Depth in LLMs", arXiv 2502.05795), DESIGN §4:
+
+        h <- h + F(RMSNorm(h) / sqrt(b + 1))
+
+    for both sublayers of block b (0-based, so the divisor is the root of the 1-based
+    index). The factor is a constant of block b, not a parameter; it travels with the
+    block when an order moves it (probes.md §3, the study's release). The final norm is
+    unscaled. No parameters beyond Pre-LN's: with L = 1 it is Pre-LN."""
+
+    def sublayer(self, h, b, j, f):
+        scale = 1.0 / math.sqrt(b + 1)
+        return super().sublayer(h, b, j, lambda x: f(x * scale))
+
+
+class PostLN(SingleStream):
+    """Post-LN (Vaswani et al. 2017, arXiv 1706.03762), schemes.md "beyond the ten":
+
+        h <- LN(alpha * h + F(h)),   alpha = 1, LN = RMSNorm
+
+    The block norms (attn_post_norm, mlp_post_norm) follow the residual add, so every
+    block output is normalised and is the probe and lens state (probes.md §0). The
+    embedding enters block 0 unnormalised; the final RMSNorm stays. Same parameter count
+    as Pre-LN. Subclasses change `alpha` and `make_norm` (DeepNorm)."""
+
+    alpha = 1.0
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.layers = per_block(cfg, post_norm=self.make_norm)
+
+    @staticmethod
+    def make_norm(cfg):
+        return rmsnorm(cfg)
+
+    def sublayer(self, h, b, j, f):
+        return self.layers[b].get('post_norm', j)(self.alpha * h + f(h))
+
+
+class DeepNorm(PostLN):
+    """DeepNorm (DeepNet, arXiv 2203.00555, Eq. of §3; reference microsoft/torchscale), DESIGN §4:
+
+        h <- LN(alpha * h + F(h)),   alpha = (2L)^(1/4)
+
+    Post-LN with an up-weighted residual; LN is LayerNorm without bias (gain only, so the
+    same parameter count as Pre-LN). Init (`init_weights`): the value and output
+    projections of attention and all three SwiGLU matrices are multiplied by
+    beta = (8L)^(-1/4) after the default init, so their std is beta * init_std; the query
+    and key projections keep init_std."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.alpha = (2 * cfg.n_layer) ** 0.25
+        self.beta = (8 * cfg.n_layer) ** -0.25
+
+    @staticmethod
+    def make_norm(cfg):
+        return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self, model):
+        """Resets the norms and scales the freshly initialised backbone by beta: call it only
+        right after the backbone init, as GPT.init_weights does (twice would give beta^2)."""
+        super().init_weights(model)
+        for blk in model.blocks:
+            for lin in (blk.attn.wv, blk.attn.wo, blk.mlp.w_gate, blk.mlp.w_up, blk.mlp.w_down):
+                lin.weight.mul_(self.beta)
+
+
+class KEEL(SingleStream):
+    """KEEL ("Post-LayerNorm Is Back", arXiv 2601.19895), DESIGN §4:
+
+        h <- RMSNorm_out(alpha * h + F(RMSNorm_in(h))),   alpha = 2L (the number of sublayers)
+
+    Block 0 is special: its attention is plain Pre-LN, h <- h + F(RMSNorm_in(h)) (no outer
+    norm), and its MLP has the outer norm with alpha = 1. Extra parameters: an outer norm
+    on every sublayer but block 0's attention, +(2L - 1)d over Pre-LN.
+    Unlike the study's code, where the special form belongs to position 0 and a swap
+    exchanges only tensors of equal shape, block 0's form travels with block 0 when an
+    order moves it (every parameter and constant of a block is looked up by its index)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.alpha = 2.0 * cfg.n_layer
+        self.layers = per_block(cfg, norm=rmsnorm, out_norm=rmsnorm)
+        self.layers[0].attn_out_norm = None  # block 0's attention: plain Pre-LN
+
+    def sublayer(self, h, b, j, f):
+        p = self.layers[b]
+        y = f(p.get('norm', j)(h))
+        out_norm = p.get('out_norm', j)
+        if out_norm is None:
+            return h + y
+        return out_norm((1.0 if b == 0 else self.alpha) * h + y)
+
+
+class ReZero(SingleStream):
+    """ReZero (Bachlechner et al. 2020, arXiv 2003.04887):
+
+        h <- h + g * F(h),   g a scalar per sublayer (attn_gate, mlp_gate), initialised to 0
+
+    No norms inside the blocks (the final RMSNorm stays), so at init the model is the
+    identity on the embedding: logits = lm_head(norm_f(wte(idx))). Parameters: 2L gates
+    instead of Pre-LN's 2L norm gains, 2L - 2Ld over Pre-LN."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.layers = per_block(cfg, gate=lambda cfg: nn.Parameter(torch.zeros(())))
+
+    @torch.no_grad()
+    def init_weights(self, model):
+        for g in self.parameters():  # the gates are the only parameters
+            g.zero_()
+
+    def sublayer(self, h, b, j, f):
+        return h + self.layers[b].get('gate', j) * f(h)
+
+
+class LayerScale(SingleStream):
+    """LayerScale (CaiT, Touvron et al. 2021, arXiv 2103.17239, Eq. 4):
+
+        h <- h + gamma ⊙ F(RMSNorm(h)),   gamma in R^d per sublayer (attn_scale, mlp_scale)
+
+    gamma initialised to cfg.layerscale_init (1e-4): at init each block is close to the
+    identity; with gamma = 1 it is Pre-LN. +2Ld parameters over Pre-LN."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.layers = per_block(cfg, norm=rmsnorm, scale=lambda cfg: nn.Parameter(torch.ones(cfg.n_embd)))
+
+    @torch.no_grad()
+    def init_weights(self, model):
+        super().init_weights(model)
+        for p in self.layers:
+            for j in range(2):
+                p.get('scale', j).fill_(self.cfg.layerscale_init)
+
+    def sublayer(self, h, b, j, f):
+        p = self.layers[b]
+        return h + p.get('scale', j) * f(p.get('norm', j)(h))
+
+
+class ResiDual(SingleStream):
+    """ResiDual (Xie et al. 2023, arXiv 2304.14802, "Pre-Post-LN"): a Post-LN stream a and
+    a dual stream s fed by the same branch outputs,
+
+        y = F(a),   a <- LN(a + y),   s <- s + y             (every sublayer)
+        readout h = a + LN_dual(s)                            (then the final RMSNorm, LM head)
+
+    Both streams start from the embedding (as in the reference code, microsoft/ResiDual);
+    the branches read the normalised Post-LN stream, with no pre-norm; LN = RMSNorm here
+    (LayerNorm in the paper). Parameters: Post-LN's norms plus LN_dual, +d over Pre-LN.
+    State (a, s); a skipped block leaves both unchanged. probe = lens = the readout
+    a + LN_dual(s), what the head would read if the network stopped there."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.layers = per_block(cfg, post_norm=rmsnorm)
+        self.dual_norm = rmsnorm(cfg)
+
+    def begin(self, x):
+        return x, x
+
+    def sublayer(self, state, b, j, f):
+        a, s = state
+        y = f(a)
+        return self.layers[b].get('post_norm', j)(a + y), s + y
+
+    def end(self, state):
+        a, s = state
+        return a + self.dual_norm(s)
+
+    def probe(self, state):
+        return self.end(state)
+
+    def lens(self, state):
+        return self.end(state)
+
+
+# ---- MoDA --------------------------------------------------------------------
+
+def depth_attention(q, k, v, depth_k, depth_v):
+    """The joint sequence-and-depth attention of MoDA (arXiv 2603.15619; schemes.md "MoDA"):
+
+        a_t = softmax([q_t . k_s, s <= t  |  q_t . K_depth[t, j], j < S] / sqrt(hd))
+        y_t = sum_{s<=t} a_ts v_s + sum_{j<S} a_tj V_depth[t, j]
+
+    ONE softmax (fp32) over the causal sequence keys and the S depth keys of the same
+    token, as extra columns of an explicit score matrix: memory O(B*H*T*(T + S)), exact,
+    no fused kernel. q: (B, H, T, hd) after RoPE; k: (B, H_kv, T, hd) after RoPE; v:
+    (B, H_kv, T, hd); depth_k, depth_v: (B, H_kv, T, S, hd), S >= 0 (S = 0 is plain
+    causal attention). GQA: query head i reads key/value head i // (H / H_kv), as
+    scaled_dot_product_attention(enable_gqa=True). Returns y (B, H, T, hd)."""
+    B, H, T, hd = q.shape
+    Hkv = k.size(1)
+    q = q.reshape(B, Hkv, H // Hkv, T, hd) * hd ** -0.5              # (B, Hkv, G, T, hd)
+    seq = q @ k.unsqueeze(2).transpose(-1, -2)                         # (B, Hkv, G, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    seq = seq.masked_fill(~causal, float('-inf'))
+    dep = torch.einsum('bkgtd,bktsd->bkgts', q, depth_k)               # (B, Hkv, G, T, S)
+    a = torch.softmax(torch.cat((seq, dep), dim=-1).float(), dim=-1).to(q.dtype)
+    y = a[..., :T] @ v.unsqueeze(2) + torch.einsum('bkgts,bktsd->bkgtd', a[..., T:], depth_v)
+    return y.reshape(B, H, T, hd)
+
+
+def stack_slots(slots, like):
+    """Depth-cache slots, each (B, H_kv, T, hd), as one tensor (B, H_kv, T, S, hd) in like's
+    dtype; S = len(slots) may be 0."""
+    if not slots:
+        return like.new_zeros(*like.shape[:3], 0, like.size(-1))
+    return torch.stack([s.to(like.dtype) for s in slots], dim=3)
+
+
+def put_slot(slots, i, t):
+    """A copy of the tuple `slots` with slot i replaced by t (the cache is never mutated)."""
+    return slots[:i] + (t,) + slots[i + 1:]
+
+
+class MoDALayer(PreNormLayer):
+    """Block b of MoDA: the two pre-norms and, on blocks 0..L-2, depth_kv = W_kv
+    (d -> 2 * H_kv * hd, no bias), which writes [K; V] of the block's FFN input into the
+    depth cache. The last block has none: its slot would never be read."""
+
+    def __init__(self, cfg, has_depth_kv):
+        super().__init__(cfg)
+        kv_dim = cfg.n_kv_head * (cfg.n_embd // cfg.n_head)
+        self.depth_kv = nn.Linear(cfg.n_embd, 2 * kv_dim, bias=False) if has_depth_kv else None
+
+
+class MoDA(Residual):
+    """Mixture-of-Depths Attention (arXiv 2603.15619; reference hustvl/MoDA), the study's
+    pre-norm variant (schemes.md "MoDA"). Pre-LN residual adds,
+
+        h <- h + Attn_depth(RMSNorm(h)),   h <- h + MLP(RMSNorm(h)),
+
+    where the attention of the block at position p also attends, in the same softmax, to
+    the 2p depth slots of the same token (`depth_attention`), both score sets scaled by
+    1/sqrt(hd). A per-token depth cache of 2L slots, zero-filled when created:
+      slot 2p   = the block's own attention key and value, W_k x and W_v x (before RoPE);
+      slot 2p+1 = W_kv RMSNorm(h), the block's FFN input (the mlp_norm output) through
+                  depth_kv, on blocks 0..L-2. Extra parameters (L - 1) * 2d * H_kv * hd.
+    The block at position 0 has no depth slots to read: plain causal attention.
+    Slots are positional (p = blocks run or skipped so far; p = b in the default order),
+    as in the study where swaps exchange weights and positions stay. Block L-1 has no
+    W_kv: if an order runs it before the end, its FFN slot stays zero.
+
+    State (h, depth K, depth V, p): K and V are tuples of 2L slots (B, H_kv, T, hd) that
+    start as one shared zero tensor and are replaced, never written in place, so prefix
+    states can be reused. probe = lens = h (probes.md §0).
+    Skip rule (probes.md §2): a skipped block leaves h unchanged and writes nothing into
+    its two slots, which stay zero and still take softmax mass exp(q . 0) = 1 with a zero
+    value (a skipped block differs from a dropped one, which takes no slots).
+    use_depth=False (constructor argument or attribute) masks out every depth score:
+    the model is then Pre-LN with unused W_kv (equivalence tests, ablations)."""
+
+    def __init__(self, cfg, use_depth=True):
+        super().__init__(cfg)
+        self.use_depth = use_depth
+        self.layers = nn.ModuleList([MoDALayer(cfg, b < cfg.n_layer - 1) for b in range(cfg.n_layer)])
+
+    @torch.no_grad()
+    def init_weights(self, model):
+        super().init_weights(model)
+        std = self.cfg.init_std
+        for p in self.layers:
+            if p.depth_kv is not None:  # like every backbone Linear
+                nn.init.trunc_normal_(p.depth_kv.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def begin(self, x):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        zero = x.new_zeros(B, cfg.n_kv_head, T, cfg.n_embd // cfg.n_head)  # (B, H_kv, T, hd)
+        slots = (zero,) * (2 * cfg.n_layer)
+        return x, slots, slots, 0
+
+    def _next(self, state):
+        h, K, V, p = state
+        if 2 * p + 2 > len(K):
+            raise ValueError(f"MoDA's depth cache has {len(K)} slots: an order may run or skip "
+                             f"at most n_layer={self.cfg.n_layer} blocks")
+        return h, K, V, p
+
+    def block(self, state, b, layer, rope):
+        h, K, V, p = self._next(state)
+        B, T, _ = h.shape
+        cfg, attn, prm = self.cfg, layer.attn, self.layers[b]
+        q, k, v = attn.qkv(prm.attn_norm(h))  # (B, H, T, hd), (B, H_kv, T, hd) x2, before RoPE
+        S = 2 * p if self.use_depth else 0    # the depth slots this block reads
+        cos, sin = rope
+        y = depth_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
+                            stack_slots(K[:S], k), stack_slots(V[:S], v))
+        h = h + attn.out(y)
+        K, V = put_slot(K, 2 * p, k), put_slot(V, 2 * p, v)
+        x = prm.mlp_norm(h)
+        if prm.depth_kv is not None:
+            dk, dv = prm.depth_kv(x).view(B, T, 2, cfg.n_kv_head, -1).permute(2, 0, 3, 1, 4)  # 2x (B, H_kv, T, hd)
+            K, V = put_slot(K, 2 * p + 1, dk), put_slot(V, 2 * p + 1, dv)
+        return h + layer.mlp(x), K, V, p + 1
+
+    def skip(self, state, b):
+        h, K, V, p = self._next(state)
+        return h, K, V, p + 1
+
+    def end(self, state):
+        return state[0]
+
+    def probe(self, state):
+        return state[0]
+
+    def lens(self, state):
+        return state[0]
+
+
+# -----------------------------------------------------------------------------
+
+RESIDUALS = {
+    'preln': PreLN,
+    'attnres': AttnRes,
+    'sandwich': Sandwich,
+    'lns': LNS,
+    'deepnorm': DeepNorm,
+    'keel': KEEL,
+    'moda': MoDA,
+    'postln': PostLN,
+    'rezero': ReZero,
+    'layerscale': LayerScale,
+    'resdual': ResiDual,
+}

@@ -1,0 +1,446 @@
+"""
+Sweep runner: train every run of an experiment family (families.py) one after
+another, then collect the results and plot validation loss against shape.
+
+    python sweep.py family=main schemes=preln,attnres,hc               # all their shapes
+    python sweep.py family=main schemes=attnres shapes=16,32           # only L = 16 and 32
+    python sweep.py family=mini                                        # the CPU mini-DepthBench
+    python sweep.py family=main extra=--batch_size=8,--gradient_accumulation_steps=64
+    python sweep.py family=main plot_only=True                         # collect + plot only
+    python sweep.py family=main run=print nproc_per_node=8             # print cluster commands
+
+(`--family=main` style works too.) For each run, in table order:
+  - out_dir/summary.json says finished  -> skipped;
+  - out_dir/ckpt.pt exists               -> continued with --init_from=resume;
+  - otherwise                            -> started.
+A run that fails (non-zero exit, or exit 0 without a finished summary.json) does
+not stop the sweep; failures are listed at the end and the exit status is 1.
+Output of train.py streams to the terminal. Paths (config/, out/) are relative to
+the repo root, where train.py also runs.
+
+Results: out/<family>/results.json (one row per run: shape, parameter counts,
+val_loss, status finished / unfinished (last eval of metrics.jsonl) / missing) and
+  out/<family>/loss_vs_ratio.png  val loss vs d/L per scheme; main and fixed_backbone
+                                  show a fixed-total and a fixed-backbone panel (each
+                                  when it has results), points labelled with their
+                                  parameter count in M; hollow markers = unfinished
+  out/cross_scale/loss_vs_size.png val loss vs total parameters, one line per d/L
+
+Single GPU, multi-GPU, multi-node:
+    python sweep.py family=main schemes=attnres                        # 1 GPU each run
+    python sweep.py family=main schemes=attnres nproc_per_node=8       # 8 GPUs of this node,
+        # i.e. torchrun --standalone --nproc_per_node=8 train.py config/attnres_L16.py ...
+    python sweep.py family=main run=print nnodes=4 nproc_per_node=8    # commands to paste on
+        # each of 4 nodes: torchrun --nnodes=4 --node_rank=$NODE_RANK --nproc_per_node=8
+        #   --master_addr=$MASTER_ADDR --master_port=29500 train.py config/attnres_L16.py
+gradient_accumulation_steps in the configs is global (train.py divides it by the
+number of GPUs), so the 512-sequence batch stays the same: 32 must be divisible by
+the GPU count (or pass extra=--batch_size=..,--gradient_accumulation_steps=..).
+run=print reads the skip/resume status from this machine's out/ directory.
+"""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import families
+
+ROOT = families.ROOT
+OPTIONS = {  # option -> (default, help)
+    'family': (None, f"one of: {', '.join(families.FAMILIES)}"),
+    'schemes': (None, "comma-separated scheme names (default: all of the family's)"),
+    'shapes': (None, "comma-separated depths L (default: all)"),
+    'run': ('local', "local: run train.py here, one run after another; print: print the commands"),
+    'extra': ('', "comma-separated train.py overrides for every run, e.g. --device=cpu,--compile=False"),
+    'nproc_per_node': (None, "GPUs per node (local default 1 = plain python; print default 8)"),
+    'nnodes': (1, "nodes per run (run=print only; > 1 prints multi-node torchrun commands)"),
+    'plot_only': (False, "True: only collect results and plot"),
+}
+
+# -----------------------------------------------------------------------------
+# what to do with each run
+
+
+def run_status(run, root=None):
+    """'finished' (summary.json with finished true), 'interrupted' (ckpt.pt) or 'new'."""
+    out_dir = os.path.join(root or ROOT, run.out_dir)
+    summary = _read_json(os.path.join(out_dir, 'summary.json'))
+    if summary is not None and summary.get('finished') is True:
+        return 'finished'
+    if os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
+        return 'interrupted'
+    return 'new'
+
+
+def train_command(run, status, extra=(), nproc_per_node=1, nnodes=1, launcher=None, python=sys.executable):
+    """
+    The command line (list of str) that trains or resumes `run`.
+
+    status: 'new' or 'interrupted' (adds --init_from=resume); extra: train.py
+    overrides appended last; nproc_per_node/nnodes: > 1 uses torchrun (standalone on
+    one node, rendezvous at $MASTER_ADDR with rank $NODE_RANK on several);
+    launcher: the torchrun program, default `python -m torch.distributed.run`
+    (the same as `torchrun`); python: the interpreter of a single-process run.
+    Raises ValueError for a finished run.
+    """
+    if status not in ('new', 'interrupted'):
+        raise ValueError(f"{run.name} is {status}: nothing to run")
+    args = ['train.py', run.config_path] + (['--init_from=resume'] if status == 'interrupted' else []) + list(extra)
+    if nproc_per_node == 1 and nnodes == 1:
+        return [python] + args
+    launcher = list(launcher or [python, '-m', 'torch.distributed.run'])
+    if nnodes == 1:
+        return launcher + ['--standalone', f'--nproc_per_node={nproc_per_node}'] + args
+    return launcher + [f'--nnodes={nnodes}', '--node_rank=$NODE_RANK', f'--nproc_per_node={nproc_per_node}',
+                       '--master_addr=$MASTER_ADDR', '--master_port=29500'] + args
+
+
+def format_command(cmd):
+    """A command list as a shell line; $VARS are left for the shell to expand."""
+    return ' '.join(a if '$' in a and re.fullmatch(r'[-\w=$]+', a) else shlex.quote(a) for a in cmd)
+
+
+def run_command(cmd, cwd):
+    """Run cmd in cwd with its output streaming to ours; return its exit status."""
+    return subprocess.run(cmd, cwd=cwd).returncode
+
+
+def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_node=None, nnodes=1, root=None):
+    """
+    Train (run='local') or print the commands for (run='print') every run of a family.
+
+    Finished runs are skipped, interrupted ones resumed, the rest started, one after
+    another; a failure does not stop the sweep. Returns the list of (run name,
+    reason) that failed (always [] for run='print'). Raises ValueError for bad options
+    (unknown family/scheme/depth, --out_dir or --init_from in extra, ...).
+    """
+    if run not in ('local', 'print'):
+        raise ValueError(f"run={run!r}: use run=local or run=print")
+    for arg in extra:
+        if not (arg.startswith('--') and '=' in arg):
+            raise ValueError(f"extra override {arg!r}: write it as --key=value")
+        if arg.split('=', 1)[0] in ('--out_dir', '--init_from'):
+            raise ValueError(f"extra override {arg!r}: the sweep sets out_dir and init_from per run; drop it")
+    if nproc_per_node is None:
+        nproc_per_node = 8 if run == 'print' else 1
+    if nproc_per_node < 1 or nnodes < 1:
+        raise ValueError("nproc_per_node and nnodes must be >= 1")
+    if nnodes > 1 and run == 'local':
+        raise ValueError("nnodes > 1 needs one launch per node: use run=print and start the commands on each node")
+    root = root or ROOT
+    todo = families.runs(family, schemes, shapes)
+    if run == 'local' and not os.path.exists(os.path.join(root, 'train.py')):
+        raise FileNotFoundError(f"{os.path.join(root, 'train.py')} not found: run the sweep from a DepthBench checkout")
+    if run == 'local':  # one clear error instead of one failed run per config
+        for dataset in dict.fromkeys(r.config['dataset'] for r in todo):
+            if not os.path.exists(os.path.join(root, 'data', dataset, 'train.bin')):
+                tok = ' --tokenizer byte' if dataset.endswith('_byte') else ''
+                raise FileNotFoundError(f"data/{dataset}/train.bin not found: prepare it first, e.g. "
+                                        f"python data/fineweb_edu/prepare.py --input YOUR_SHARDS{tok} (see README)")
+    launcher, python = (['torchrun'], 'python') if run == 'print' else (None, sys.executable)
+    failures = []
+    for i, r in enumerate(todo, 1):
+        status = run_status(r, root)
+        head = f"[{i}/{len(todo)}] {r.name} ({r.out_dir})"
+        if not os.path.exists(os.path.join(root, r.config_path)):
+            raise FileNotFoundError(f"{r.config_path} not found: run `python families.py` to generate the configs")
+        if status == 'finished':
+            print(f"# {head}: finished, skipped", flush=True)
+            continue
+        cmd = train_command(r, status, extra, nproc_per_node, nnodes, launcher, python)
+        if run == 'print':
+            print(f"# {head}: {'resume' if status == 'interrupted' else 'new'}")
+            print(format_command(cmd), flush=True)
+            continue
+        print(f"=== {head}: {'resuming' if status == 'interrupted' else 'starting'}\n$ {format_command(cmd)}", flush=True)
+        rc = run_command(cmd, root)
+        if rc != 0:
+            failures.append((r.name, f"exit status {rc}"))
+        elif run_status(r, root) != 'finished':
+            failures.append((r.name, "exited 0 but out_dir has no finished summary.json"))
+    return failures
+
+# -----------------------------------------------------------------------------
+# results
+
+
+def _read_json(path):
+    """The JSON object in a file, or None if it is missing or not valid JSON."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+        return obj if isinstance(obj, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _read_metrics(path):
+    """The JSON objects of a metrics.jsonl, skipping a torn last line; [] if missing."""
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by an interrupted write
+                if isinstance(obj, dict):
+                    rows.append(obj)
+    except OSError:
+        pass
+    return rows
+
+
+def read_result(run, root=None):
+    """
+    One row of results.json for a run: its shape and Pre-LN parameter counts, and
+    from out_dir either summary.json (status 'finished'), or the last eval of
+    metrics.jsonl (status 'unfinished'; val_loss None if it has not evaluated yet),
+    or nothing (status 'missing'). Losses in nats per token; n_params is train.py's
+    exact count (None until known); params_M the count used in plots.
+    """
+    row = dict(name=run.name, family=run.family, scheme=run.scheme, L=run.L, d=run.d, ratio=run.ratio,
+               backbone=run.backbone, total=run.total, out_dir=run.out_dir, config=run.config_path,
+               **{k: v for k, v in run.info.items() if k in ('target_total', 'target_ratio', 'shared_with')})
+    out_dir = os.path.join(root or ROOT, run.out_dir)
+    summary = _read_json(os.path.join(out_dir, 'summary.json'))
+    metrics = _read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
+    if summary is not None and summary.get('finished') is True:
+        row.update(status='finished', val_loss=summary.get('val_loss'), train_loss=summary.get('train_loss'),
+                   iter=summary.get('iter'), max_iters=summary.get('max_iters'),
+                   tokens=summary.get('tokens'), n_params=summary.get('n_params'))
+    elif metrics or summary is not None or os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
+        evals = [m for m in metrics if m.get('val_loss') is not None]
+        train = [m for m in metrics if m.get('train_loss') is not None]
+        row.update(status='unfinished', val_loss=evals[-1]['val_loss'] if evals else None,
+                   train_loss=train[-1]['train_loss'] if train else None,
+                   iter=evals[-1].get('iter') if evals else None,
+                   max_iters=None, tokens=evals[-1].get('tokens') if evals else None,
+                   n_params=(summary or {}).get('n_params'))
+    else:
+        row.update(status='missing', val_loss=None, train_loss=None, iter=None, max_iters=None,
+                   tokens=None, n_params=None)
+    row['params_M'] = (row['n_params'] or run.total) / 1e6
+    return row
+
+
+def collect(family, root=None):
+    """
+    Read every run of a family (read_result) into root/out/<family>/results.json
+    = {"family": ..., "runs": [row, ...]}. Returns the list of rows.
+    """
+    root = root or ROOT
+    rows = [read_result(r, root) for r in families.runs(family)]
+    path = os.path.join(root, 'out', family, 'results.json')
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w') as f:
+        json.dump(dict(family=family, runs=rows), f, indent=1)
+    n = {s: sum(r['status'] == s for r in rows) for s in ('finished', 'unfinished', 'missing')}
+    print(f"{family}: {n['finished']} finished, {n['unfinished']} unfinished, {n['missing']} missing "
+          f"-> {os.path.relpath(path, root)}")
+    return rows
+
+# -----------------------------------------------------------------------------
+# plots (DESIGN §5: loss vs d/L at fixed total and at fixed backbone; loss vs size across scales)
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use('Agg')  # files only, no display needed
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _scheme_color(scheme):
+    """A fixed colour per scheme, the same in every panel and figure."""
+    order = list(families.SCHEME_LR)
+    i = order.index(scheme) if scheme in order else len(order)
+    return f"C{i}" if i < 10 else _plt().colormaps['tab20'](2 * (i - 10) + 1)
+
+
+def _schemes_in(rows):
+    order = list(families.SCHEME_LR)
+    return sorted(dict.fromkeys(r['scheme'] for r in rows), key=lambda s: order.index(s) if s in order else 99)
+
+
+def _with_loss(rows):
+    return [r for r in rows if r['val_loss'] is not None]
+
+
+def plot_loss_vs_ratio(panels, path):
+    """
+    Validation loss vs d/L (log axis), one line per scheme, one subplot per
+    (title, rows) panel; each point labelled with its parameter count in M, unfinished
+    runs drawn hollow. Writes a PNG to path.
+    """
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], panels):
+        for scheme in _schemes_in(rows):
+            pts = sorted((r for r in rows if r['scheme'] == scheme), key=lambda r: r['ratio'])
+            color = _scheme_color(scheme)
+            ax.plot([r['ratio'] for r in pts], [r['val_loss'] for r in pts], '-', color=color, label=scheme)
+            for r in pts:
+                done = r['status'] == 'finished'
+                ax.plot(r['ratio'], r['val_loss'], 'o', color=color, mfc=color if done else 'white')
+                ax.annotate(f"{r['params_M']:.0f}M" if r['params_M'] >= 10 else f"{r['params_M']:.2f}M",
+                            (r['ratio'], r['val_loss']), textcoords='offset points', xytext=(3, 4), fontsize=7)
+        ax.set_xscale('log')
+        ratios = sorted({r['ratio'] for r in rows})
+        ax.set_xticks(ratios, [f"{x:.0f}\nL={r['L']}" for x, r in
+                               ((x, next(r for r in rows if r['ratio'] == x)) for x in ratios)], fontsize=7)
+        ax.minorticks_off()
+        ax.set_xlabel('d/L (wide, shallow  ->  right)')
+        ax.set_ylabel('validation loss (nats/token)')
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle('hollow = unfinished (last eval)', fontsize=8, y=0.01, va='bottom')
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_loss_vs_size(rows, path):
+    """
+    Validation loss vs total parameters (log axis), one subplot per scheme, one line
+    per target d/L (cross-scale family, DESIGN §5). Writes a PNG to path.
+    """
+    plt = _plt()
+    schemes = _schemes_in(rows)
+    fig, axes = plt.subplots(1, len(schemes), figsize=(5.5 * len(schemes), 4.5), squeeze=False, sharey=True)
+    for ax, scheme in zip(axes[0], schemes):
+        mine = [r for r in rows if r['scheme'] == scheme]
+        for ratio in sorted({r['target_ratio'] for r in mine}):
+            pts = sorted((r for r in mine if r['target_ratio'] == ratio), key=lambda r: r['params_M'])
+            color = f"C{families.CROSS_SCALE_RATIOS.index(ratio) % 10}" if ratio in families.CROSS_SCALE_RATIOS else 'k'
+            ax.plot([r['params_M'] for r in pts], [r['val_loss'] for r in pts], '-', color=color,
+                    label=f"d/L ≈ {ratio}")
+            for r in pts:
+                done = r['status'] == 'finished'
+                ax.plot(r['params_M'], r['val_loss'], 'o', color=color, mfc=color if done else 'white')
+        ax.set_xscale('log')
+        ax.set_xlabel('total parameters (M)')
+        ax.set_title(scheme)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel('validation loss (nats/token)')
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(family, rows=None, root=None):
+    """
+    Plot a family's results into root/out/<family>/ (rows: collect()'s, read if None).
+    main and fixed_backbone both get the two-panel loss_vs_ratio.png (fixed total,
+    fixed backbone; a panel only when that family has results); cross_scale gets
+    loss_vs_size.png; the other families a one-panel loss_vs_ratio.png.
+    Returns the list of PNG paths written.
+    """
+    root = root or ROOT
+    rows = rows if rows is not None else [read_result(r, root) for r in families.runs(family)]
+    out = os.path.join(root, 'out', family)
+    os.makedirs(out, exist_ok=True)
+    written = []
+    if family in ('main', 'fixed_backbone'):
+        other = 'fixed_backbone' if family == 'main' else 'main'
+        by_family = {family: rows, other: [read_result(r, root) for r in families.runs(other)]}
+        titles = {'main': 'fixed total ≈400M', 'fixed_backbone': 'fixed backbone ≈300M'}
+        panels = [(titles[f], _with_loss(by_family[f])) for f in ('main', 'fixed_backbone')]
+    elif family == 'cross_scale':
+        pts = _with_loss(rows)
+        if pts:
+            written.append(os.path.join(out, 'loss_vs_size.png'))
+            plot_loss_vs_size(pts, written[-1])
+        panels = [(f"{t / 1e6:.0f}M total", _with_loss([r for r in rows if r['target_total'] == t]))
+                  for t in dict.fromkeys(r['target_total'] for r in rows)]
+    else:
+        panels = [(families.FAMILIES[family].title.split(':')[-1].strip(), _with_loss(rows))]
+    panels = [p for p in panels if p[1]]
+    if panels:
+        written.append(os.path.join(out, 'loss_vs_ratio.png'))
+        plot_loss_vs_ratio(panels, written[-1])
+    for p in written:
+        print(f"wrote {os.path.relpath(p, root)}")
+    if not written:
+        print(f"{family}: no run has a validation loss yet, nothing to plot")
+    return written
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def parse_args(argv):
+    """
+    key=value or --key=value arguments (see OPTIONS) -> dict of typed options.
+    Raises ValueError naming the fix for unknown keys, bad values or a missing family.
+    """
+    opts = {k: default for k, (default, _) in OPTIONS.items()}
+    extra = []
+    for arg in argv:
+        key, sep, value = arg.lstrip('-').partition('=')
+        if not sep:
+            raise ValueError(f"argument {arg!r}: write key=value, e.g. family=main")
+        if key not in OPTIONS:
+            raise ValueError(f"unknown option {key!r}; options: {', '.join(OPTIONS)}")
+        if key == 'extra':
+            extra += [a for a in re.split(r',(?=--)', value) if a]  # commas inside a value are kept
+        elif key in ('nproc_per_node', 'nnodes'):
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{key}={value!r}: give a positive integer")
+            opts[key] = int(value)
+        elif key == 'plot_only':
+            if value.lower() not in ('true', 'false'):
+                raise ValueError(f"plot_only={value!r}: write plot_only=True or plot_only=False")
+            opts[key] = value.lower() == 'true'
+        elif key in ('schemes', 'shapes'):
+            items = [s.strip() for s in value.split(',') if s.strip()]
+            if key == 'shapes' and not all(s.isdigit() for s in items):
+                raise ValueError(f"shapes={value!r}: give depths L, e.g. shapes=16,32")
+            opts[key] = [int(s) for s in items] if key == 'shapes' else items
+        else:
+            opts[key] = value
+    opts['extra'] = extra
+    if opts['family'] is None:
+        raise ValueError(f"give a family, e.g. family=main (one of: {', '.join(families.FAMILIES)})")
+    if opts['family'] not in families.FAMILIES:
+        raise ValueError(f"unknown family {opts['family']!r}; choose one of: {', '.join(families.FAMILIES)}")
+    return opts
+
+
+def main(argv):
+    if not argv or argv[0] in ('-h', '--help'):
+        print(__doc__.strip() + "\n\noptions:")
+        for k, (default, text) in OPTIONS.items():
+            print(f"  {k:<15} {text}" + (f" (default {default!r})" if default not in (None, '') else ""))
+        return 0 if argv else 2
+    try:
+        opts = parse_args(argv)
+        failures = []
+        if not opts['plot_only']:
+            failures = sweep(opts['family'], opts['schemes'], opts['shapes'], opts['extra'], opts['run'],
+                             opts['nproc_per_node'], opts['nnodes'])
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    if opts['run'] == 'print' and not opts['plot_only']:
+        return 0
+    rows = collect(opts['family'])
+    plot(opts['family'], rows)
+    if failures:
+        print(f"{len(failures)} run(s) failed:", file=sys.stderr)
+        for name, why in failures:
+            print(f"  {name}: {why}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1:]))

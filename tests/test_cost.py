@@ -1,0 +1,240 @@
+"""
+Tests of cost.py: the FLOP formulas against torch.utils.flop_counter for every
+registered scheme, the closed-form parameter counts against the instantiated models,
+KV-cache bytes, the study's published cost numbers (probes.md §9), and a tiny
+measured prefill on the CPU.
+Run: python -m pytest tests/test_cost.py -q
+"""
+
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cost  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from residuals import RESIDUALS  # noqa: E402
+
+SCHEMES = list(RESIDUALS)
+# tiny shapes: MHA; GQA with 16 query / 8 KV heads; an odd FFN width, vocab, 2 KV heads
+TINY = [dict(n_layer=4, n_embd=64, n_head=4, vocab_size=100),
+        dict(n_layer=4, n_embd=64, n_head=16, n_kv_head=8, vocab_size=100),
+        dict(n_layer=8, n_embd=48, n_head=4, n_kv_head=2, ffn_hidden=80, vocab_size=37)]
+TINY_IDS = ['mha', 'gqa16/8', 'L8-odd']
+
+
+def config(scheme, **kw):
+    return GPTConfig(**kw, residual=scheme, block_size=kw.pop('block_size', 64))
+
+
+def sources_read(cfg, T):
+    """Total number of sources mixed by the depth reads of an AttnRes-family model, from
+    its trace (each read records weights of shape (n_sources, B, T))."""
+    with torch.device('meta'):
+        model = GPT(cfg)
+        idx = torch.zeros(1, T, dtype=torch.long)
+    with torch.no_grad(), model.residual.trace() as tape:
+        model(idx)
+    return sum(rec['weights'].shape[0] for rec in tape if 'weights' in rec)
+
+# -----------------------------------------------------------------------------
+# FLOPs vs FlopCounterMode
+
+
+def check_flops(cfg, T, B):
+    """flop_check(cfg) agrees with the analytic count, exactly where both count the same things."""
+    scheme = cfg.residual
+    r = cost.flop_check(cfg, T, batch=B)
+    assert r['counted'] > 0 and r['analytic'] > 0
+    # the backbone (projections, SwiGLU, full attention, LM head on all positions) is a
+    # pure matmul count: without the scheme's extra terms the two agree to the FLOP
+    backbone = B * cost.forward_flops(cfg.n_layer, cfg.n_embd, T, residual='preln', ffn_hidden=cfg.ffn_hidden,
+                                      n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, vocab_size=cfg.vocab_size,
+                                      attention='full', logits='all')
+    assert r['analytic'] - sum(r['terms'].values()) == backbone
+    terms = r['terms']
+    if scheme in cost.ELEMENTWISE_SCHEMES:
+        assert terms == {} and r['missing'] == 0
+    elif scheme in ('attnres', 'blockattnres'):
+        # every depth read is a matrix product (logits w·v_i via mv, weighted sum via einsum/bmm)
+        n = sources_read(cfg, T)
+        assert r['counted'] - backbone == 4 * T * cfg.n_embd * B * n
+        assert r['missing'] == 0, (f"{scheme}: the implementation reads {n} sources in all, the "
+                                   f"Appendix D count assumes {sum(cost.blockattnres_sources(cfg.n_layer))}")
+    else:
+        # exact up to which stream reads/writes are written as broadcasts (invisible to the counter)
+        optional = [k for k in terms if k in cost.BROADCAST_TERMS]
+        sums = {sum(terms[k] for k in sub) for n in range(len(optional) + 1)
+                for sub in itertools.combinations(optional, n)}
+        assert r['missing'] in sums, (scheme, r['missing'], terms)
+        assert r['missing'] < sum(terms.values())  # the projection terms are always seen
+
+
+@pytest.mark.parametrize('scheme', SCHEMES)
+@pytest.mark.parametrize('shape', TINY, ids=TINY_IDS)
+def test_forward_flops_match_flop_counter(scheme, shape):
+    check_flops(config(scheme, **shape), T=16, B=2)
+
+
+@pytest.mark.parametrize('m', [2, 4])
+@pytest.mark.parametrize('scheme', ['hc', 'mhc'])
+def test_stream_count_generalisation(scheme, m):
+    """The general-m HC/mHC formulas against the counter at m != 4 too."""
+    if scheme not in RESIDUALS:
+        pytest.skip(f"{scheme} is not registered in residuals.RESIDUALS")
+    check_flops(config(scheme, **TINY[0], hc_streams=m), T=8, B=1)
+
+
+def test_closed_forms_of_design_section_8():
+    """The general formulas reduce to DESIGN §8's closed forms."""
+    for L, d, T in [(16, 1216, 4096), (7, 96, 33), (70, 640, 128)]:
+        assert cost.extra_flops('hc', L, d, T) == 192 * T * d * L
+        assert cost.extra_flops('mhc', L, d, T) == 480 * T * d * L
+        assert cost.extra_flops('attnres', L, d, T) == 4 * T * d * L * (2 * L + 3)
+        assert cost.extra_flops('moda', L, d, T) == 4 * T * d * (L - 1) * (L + d)
+        for s in cost.ELEMENTWISE_SCHEMES:
+            assert cost.extra_flops(s, L, d, T) == 0
+    for L in (16, 20, 24, 28, 32):  # Block AttnRes with b = 2L/8, written out as in Appendix D
+        b, T, d = 2 * L // 8, 4096, 1024
+        assert cost.extra_flops('blockattnres', L, d, T) == 4 * T * d * (sum(2 + k // b for k in range(1, 2 * L)) + 9)
+    # HC's m: 8m(m+2); mHC: 4m(m+1)(m+2)
+    assert cost.extra_flops('hc', 3, 64, 5, hc_streams=2) == 8 * 2 * 4 * 5 * 64 * 3
+    assert cost.extra_flops('mhc', 3, 64, 5, hc_streams=2) == 4 * 2 * 3 * 4 * 5 * 64 * 3
+
+
+def test_forward_flops_conventions():
+    L, d, T, V = 4, 64, 32, 100
+    f = dict(n_head=4, vocab_size=V)
+    base = cost.forward_flops(L, d, T, logits='last', attention='causal', **f)
+    assert cost.forward_flops(L, d, T, logits='all', attention='causal', **f) - base == 2 * (T - 1) * d * V
+    assert cost.forward_flops(L, d, T, logits='last', attention='full', **f) - base == L * 2 * T * T * d
+    # GQA with 1 KV head: the k, v projections shrink from 2·2Td² to 2·2Td·hd per layer
+    mqa = cost.forward_flops(L, d, T, n_head=4, n_kv_head=1, vocab_size=V)
+    assert base - mqa == L * 4 * T * d * (d - d // 4)
+    with pytest.raises(ValueError, match="logits"):
+        cost.forward_flops(L, d, T, logits='first')
+    with pytest.raises(ValueError, match="attention"):
+        cost.forward_flops(L, d, T, attention='sliding')
+    with pytest.raises(ValueError, match="unknown residual"):
+        cost.forward_flops(L, d, T, residual='nope')
+    with pytest.raises(ValueError, match="n_kv_head"):
+        cost.forward_flops(L, d, T, n_head=4, n_kv_head=3)
+
+# -----------------------------------------------------------------------------
+# parameters
+
+
+@pytest.mark.parametrize('scheme', SCHEMES)
+@pytest.mark.parametrize('shape', TINY + [dict(n_layer=4, n_embd=16, n_head=2, vocab_size=11)],
+                         ids=TINY_IDS + ['d16-V11'])
+def test_param_count_matches_model(scheme, shape):
+    cfg = config(scheme, **shape)
+    with torch.device('meta'):
+        model = GPT(cfg)
+    assert cost.param_count(cfg) == model.num_params()
+
+
+def test_param_count_preln_table3():
+    """DESIGN §3 / Table 3: L=24, d=1024 -> 405.41M total."""
+    assert round(cost.param_count(GPTConfig(n_layer=24, n_embd=1024)) / 1e6, 2) == 405.41
+    with pytest.raises(ValueError, match="no closed form"):
+        cost.param_count(GPTConfig(n_layer=2, n_embd=64, residual='nope'))
+
+# -----------------------------------------------------------------------------
+# KV cache
+
+
+def test_kv_cache_mha_and_gqa():
+    L, d, T = 28, 2048, 2048  # the 1.6B shape: 16 query heads of 128
+    mha = cost.kv_cache_bytes(L, d, T, n_head=16)
+    gqa = cost.kv_cache_bytes(L, d, T, n_head=16, n_kv_head=8)
+    assert mha == 2 * L * T * d * 2
+    assert gqa * 2 == mha and gqa == 2 * L * T * 8 * 128 * 2
+    assert cost.kv_cache_bytes(L, d, T, n_head=16, batch=8, bytes_per_elem=4) == 16 * mha
+    # MoDA: the prefill depth buffer (2L slots of K and V per token) is 2x the sequence
+    # cache; decoding keeps none of it
+    assert cost.kv_cache_bytes(L, d, T, residual='moda') == 3 * mha
+    assert cost.kv_cache_bytes(L, d, T, residual='moda', decode=True) == mha
+    assert cost.kv_cache_bytes(L, d, T, residual='attnres') == mha
+
+
+def test_kv_cache_at_fixed_backbone_grows_with_L_times_d():
+    """At fixed L·d² (fixed backbone) the KV cache is ∝ L·d = sqrt(L · L·d²), i.e. ∝ sqrt(L)."""
+    T = 4096
+    shapes = [(4, 2048), (16, 1024), (64, 512), (256, 256)]  # L·d² = 16 Mi for all
+    assert len({L * d * d for L, d in shapes}) == 1
+    kv = [cost.kv_cache_bytes(L, d, T) for L, d in shapes]
+    for (L0, d0), k0 in zip(shapes, kv):
+        for (L1, d1), k1 in zip(shapes, kv):
+            assert k1 / k0 == pytest.approx(L1 * d1 / (L0 * d0)) == pytest.approx(math.sqrt(L1 / L0))
+
+# -----------------------------------------------------------------------------
+# the study's numbers (probes.md §9; Fig. 11)
+
+
+def test_study_prefill_numbers():
+    """Prefill 4096, causal, LM head on the last position: Full AttnRes 2.99 T -> 4.43 T
+    (4.33 T Pre-LN + 0.105 T), "3.0 -> 4.4 TFLOPs"; KV cache 319 MB -> 734 MB."""
+    T = 4096
+    f16 = cost.forward_flops(16, 1216, T, residual='attnres')
+    f70 = cost.forward_flops(70, 640, T, residual='attnres')
+    assert round(f16 / 1e12, 2) == 2.99 and round(f70 / 1e12, 2) == 4.43
+    assert round(f16 / 1e12, 1) == 3.0 and round(f70 / 1e12, 1) == 4.4
+    assert round(cost.forward_flops(70, 640, T) / 1e12, 2) == 4.33
+    assert round(cost.extra_flops('attnres', 70, 640, T) / 1e12, 3) == 0.105
+    assert round(cost.kv_cache_bytes(16, 1216, T) / 1e6) == 319
+    assert round(cost.kv_cache_bytes(70, 640, T) / 1e6) == 734
+    # the other conventions miss the site's values (probes.md, trap 10)
+    assert round(cost.forward_flops(16, 1216, T, residual='attnres', logits='all') / 1e12, 1) != 3.0
+    assert round(cost.forward_flops(16, 1216, T, residual='attnres', attention='full') / 1e12, 1) != 3.0
+
+# -----------------------------------------------------------------------------
+# CLI and measurement
+
+
+def test_cli_table_json_figure_and_loss_panel(tmp_path, capsys):
+    results = tmp_path / 'results.json'
+    results.write_text(json.dumps([dict(scheme='attnres', n_layer=16, n_embd=1216, val_loss=2.751),
+                                   dict(scheme='attnres', n_layer=32, n_embd=896, val_loss=2.718)]))
+    out = tmp_path / 'cost'
+    rc = cost.main(['--schemes=preln,attnres,hc', '--shapes=16x1216,70x640', f'--results={results}', f'--out={out}'])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert '| attnres | 16 | 1216 | 76.00 |' in text and '| 2.99 |' in text and '| 4.43 |' in text
+    data = json.loads((out / 'cost.json').read_text())
+    rows = {(r['scheme'], r['L']): r for r in data['rows']}
+    assert len(rows) == 6 and rows[('preln', 70)]['kv_bytes'] == cost.kv_cache_bytes(70, 640, 4096)
+    assert rows[('hc', 16)]['params'] == cost.param_count(GPTConfig(n_layer=16, n_embd=1216, residual='hc'))
+    assert (out / 'cost.png').stat().st_size > 0
+    assert cost.read_losses(str(results)) == {('attnres', 16, 1216): 2.751, ('attnres', 32, 896): 2.718}
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert cost.main(['--schemes=preln,nope', f'--out={tmp_path}']) == 1
+    assert 'unknown scheme nope' in capsys.readouterr().err
+    assert cost.main(['--shapes=16by1216', f'--out={tmp_path}']) == 1
+    assert '--shapes' in capsys.readouterr().err
+    assert cost.main(['--results=/nonexistent/results.json', f'--out={tmp_path}']) == 1
+    assert 'not found' in capsys.readouterr().err
+    with pytest.raises(ValueError, match="RESIDUALS"):
+        cost.measure_prefill(['nope'], [(2, 64)], device='cpu')
+
+
+def test_measure_prefill_cpu():
+    """A tiny prefill in a fresh subprocess: positive latency, throughput, peak memory."""
+    B, T = 1, 32
+    rows = cost.measure_prefill(['preln'], [(2, 64)], batch=B, seq_len=T, device='cpu', warmup=1, iters=2,
+                                vocab_size=1000, n_head=4)
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r['scheme'], r['L'], r['d'], r['dtype']) == ('preln', 2, 64, 'float32')
+    assert len(r['times_s']) == 2 and r['latency_s'] > 0
+    assert r['tokens_per_s'] == pytest.approx(B * T / r['latency_s'])
+    assert r['hours_per_1B'] == pytest.approx(r['latency_s'] / (B * T) * 1e9 / 3600)
+    # the fp32 weights alone are resident while the passes run
+    assert r['peak_mem_bytes'] >= 4 * r['params']

@@ -1,0 +1,163 @@
+"""Backbone tests: parameter counts, the AttnRes zero-init identity, causality, block orders.
+Run: python -m pytest tests/test_model.py -q"""
+
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, apply_rope, ffn_hidden_size, rope_cache
+
+TINY = dict(n_layer=3, n_embd=64, n_head=4, vocab_size=101, block_size=32)
+
+
+def preln_formula(L, d, V, d_ff):
+    """DESIGN §3: L(4d^2 + 3 d d_ff + 2d) + 2Vd + d."""
+    return L * (4 * d * d + 3 * d * d_ff + 2 * d) + 2 * V * d + d
+
+
+@pytest.mark.parametrize('L,d,total_m,backbone_m', [
+    (16, 1216, 407, 284), (20, 1120, 414, 301), (24, 1024, 405, 302), (28, 960, 406, 310),
+    (32, 896, 399, 309), (42, 800, 404, 324), (70, 640, 409, 345)])
+def test_preln_param_count_main_family(L, d, total_m, backbone_m):
+    """Every main-family shape (DESIGN §5) on the meta device: the instantiated model equals
+    the formula, and the formula gives the paper's rounded totals."""
+    with torch.device('meta'):
+        model = GPT(GPTConfig(n_layer=L, n_embd=d, block_size=16))
+    V, d_ff = 50280, ffn_hidden_size(d)
+    n = model.num_params()
+    assert n == preln_formula(L, d, V, d_ff)
+    assert round(n / 1e6) == total_m
+    assert round((n - 2 * V * d - d) / 1e6) == backbone_m
+    if (L, d) == (24, 1024):
+        assert round(n / 1e6, 2) == 405.41
+
+
+@pytest.mark.parametrize('shape', [dict(n_layer=1, n_embd=32, n_head=2), dict(n_layer=3, n_embd=48, n_head=4, ffn_hidden=100),
+                                   dict(n_layer=2, n_embd=64, n_head=8, vocab_size=257)])
+def test_preln_param_count_small(shape):
+    cfg = GPTConfig(block_size=16, **shape)
+    assert GPT(cfg).num_params() == preln_formula(cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.ffn_hidden)
+
+
+def test_ffn_hidden():
+    assert ffn_hidden_size(896) == 16 * math.ceil(8 * 896 / 3 / 16) == 2400
+    assert ffn_hidden_size(1216) == 3248
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match='not divisible by n_head'):
+        GPTConfig(n_embd=100, n_head=16)
+    with pytest.raises(ValueError, match='n_kv_head'):
+        GPTConfig(n_embd=64, n_head=4, n_kv_head=3)
+    with pytest.raises(ValueError, match='unknown residual'):
+        GPT(GPTConfig(residual='nope', **TINY))
+
+
+def test_rope_rotation_is_relative():
+    """q.k after RoPE depends only on the position difference."""
+    cos, sin = rope_cache(16, 8)
+    q, k = torch.randn(8), torch.randn(8)
+    def dot(i, j):
+        qi = apply_rope(q.view(1, 1, 1, 8).expand(1, 1, 16, 8), cos, sin)[0, 0, i]
+        kj = apply_rope(k.view(1, 1, 1, 8).expand(1, 1, 16, 8), cos, sin)[0, 0, j]
+        return (qi @ kj).item()
+    assert dot(5, 3) == pytest.approx(dot(12, 10), abs=1e-5)
+    assert dot(5, 3) != pytest.approx(dot(5, 4), abs=1e-3)
+
+
+def test_attnres_zero_init_equals_preln():
+    """schemes.md: with all pseudo-queries zero every read is the mean of its sources, whose
+    RMSNorm equals Pre-LN's residual stream's, so logits match Pre-LN with the same weights
+    (up to eps, which we make negligible)."""
+    torch.manual_seed(0)
+    pre = GPT(GPTConfig(norm_eps=1e-12, **TINY))
+    att = GPT(GPTConfig(norm_eps=1e-12, residual='attnres', **TINY))
+    missing, unexpected = att.load_state_dict(pre.state_dict(), strict=False)
+    assert not unexpected and all('_mix.' in k for k in missing)
+    with torch.no_grad():  # non-trivial norm gains, to check they are the shared pre-norms
+        for n, p in pre.named_parameters():
+            if n.endswith('norm.weight'):
+                p.uniform_(0.5, 1.5)
+        att.load_state_dict(pre.state_dict(), strict=False)
+    idx = torch.randint(0, 101, (2, 32))
+    torch.testing.assert_close(att(idx)[0], pre(idx)[0], rtol=1e-4, atol=1e-5)
+    # and it is a real identity: a non-zero query changes the output
+    with torch.no_grad():
+        att.residual.layers[1].mlp_mix.query.normal_()
+    assert (att(idx)[0] - pre(idx)[0]).abs().max() > 1e-3
+
+
+def test_attnres_queries_survive_reinit():
+    """A second init pass must not destroy the zero queries (schemes.md pitfall)."""
+    m = GPT(GPTConfig(residual='attnres', **TINY))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()
+    m.init_weights()
+    for layer in m.residual.layers:
+        assert layer.mlp_mix.query.abs().sum() == 0 and layer.out_mix.query.abs().sum() == 0
+    assert m.num_params() - GPT(GPTConfig(**TINY)).num_params() == 4 * TINY['n_layer'] * TINY['n_embd']
+
+
+def perturbed(model):
+    """Random non-trivial scheme parameters, so that the tests do not pass by a zero init."""
+    with torch.no_grad():
+        for n, p in model.residual.named_parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize('residual', ['preln', 'attnres'])
+def test_causality(residual):
+    torch.manual_seed(1)
+    m = perturbed(GPT(GPTConfig(residual=residual, **TINY))).eval()
+    idx = torch.randint(0, 101, (2, 32))
+    idx2 = idx.clone()
+    idx2[:, 20:] = torch.randint(0, 101, (2, 12))
+    a, b = m(idx)[0], m(idx2)[0]
+    torch.testing.assert_close(a[:, :20], b[:, :20])
+    assert (a[:, 20:] - b[:, 20:]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize('residual', ['preln', 'attnres'])
+def test_orders(residual):
+    """Skip, swap and drop are other orders of the same blocks; weights travel with the block index."""
+    torch.manual_seed(2)
+    m = perturbed(GPT(GPTConfig(residual=residual, **TINY))).eval()
+    idx = torch.randint(0, 101, (2, 16))
+    full = m(idx)[0]
+    torch.testing.assert_close(m(idx, order=[0, 1, 2])[0], full)
+    swapped, dropped, skipped = m(idx, order=[0, 2, 1])[0], m(idx, order=[0, 2])[0], m(idx, skip={1})[0]
+    for other in (swapped, dropped, skipped):
+        assert other.shape == full.shape and (other - full).abs().max() > 1e-4
+    record = []
+    m.hidden(idx, skip={1}, record=record)
+    assert len(record) == 4  # z_0 .. z_L
+    if residual == 'preln':  # a skipped Pre-LN block is the identity, and skip == drop
+        torch.testing.assert_close(record[2][0], record[1][0])
+        torch.testing.assert_close(skipped, dropped)
+
+
+def test_preln_skip_is_identity_block_and_record_states():
+    torch.manual_seed(3)
+    m = GPT(GPTConfig(**TINY)).eval()
+    idx = torch.randint(0, 101, (1, 8))
+    record = []
+    h = m.hidden(idx, record=record)
+    torch.testing.assert_close(record[0][0], m.wte(idx))
+    torch.testing.assert_close(record[-1][0], h)
+
+
+def test_configure_optimizers_groups():
+    m = GPT(GPTConfig(residual='attnres', **TINY))
+    opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+    decay, other = opt.param_groups
+    assert decay['weight_decay'] == 0.1 and other['weight_decay'] == 0.0
+    assert all(p.dim() >= 2 for p in decay['params']) and all(p.dim() < 2 for p in other['params'])
+    assert sum(p.numel() for g in opt.param_groups for p in g['params']) == m.num_params()
+
+
+def test_mfu_is_none_on_cpu():
+    from model import estimate_mfu
+    assert estimate_mfu(GPT(GPTConfig(**TINY)), 1000.0, 32, 'cpu') is None

@@ -1,0 +1,504 @@
+"""
+Tests of probe.py (the diagnostics of DESIGN §7 / probes.md) on tiny random models built here.
+Run: python -m pytest tests/test_probe.py -q
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import probe  # noqa: E402
+import residuals  # noqa: E402
+from model import GPT, GPTConfig, RMSNorm  # noqa: E402
+from tokenizer import get_tokenizer  # noqa: E402
+
+V, T = 64, 12
+
+
+def tiny(residual='preln', n_layer=4, vocab_size=V, seed=0, block_size=32, **kw):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=2, n_embd=16,
+                    residual=residual, **kw)
+    return GPT(cfg).eval()
+
+
+def randomize_scheme(model, seed=1):
+    """Non-trivial scheme parameters (zero-initialised AttnRes queries give uniform weights)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.residual.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def zero_blocks(model, blocks=None):
+    """Blocks that add nothing: zero attention output and MLP down projections."""
+    with torch.no_grad():
+        for b in range(model.config.n_layer) if blocks is None else blocks:
+            model.blocks[b].attn.wo.weight.zero_()
+            model.blocks[b].mlp.w_down.weight.zero_()
+    return model
+
+
+def windows(n=3, t=T, vocab=V, seed=0):
+    return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+# -----------------------------------------------------------------------------
+# a toy hyper-connection scheme with static random routing, recorded like HC/mHC
+
+class ToyHC(residuals.Residual):
+    """m streams; sublayer k reads x = sum_s a_k[s] H[s], writes H'[t] = sum_s A_k[s, t] H[s] + beta_k[t] f.
+    Static coefficients, so per-token path weights equal their mean. Keeps (x, f) when `seen` is a list."""
+    m = 3
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        K, m, g = 2 * cfg.n_layer, self.m, torch.Generator().manual_seed(3)
+        self.register_buffer('a', torch.rand(K, m, generator=g))
+        self.register_buffer('A', torch.rand(K, m, m, generator=g) * 0.6 + 0.2 * torch.eye(m))
+        self.register_buffer('beta', torch.rand(K, m, generator=g) + 0.5)
+        self.norms = torch.nn.ModuleList([RMSNorm(cfg.n_embd) for _ in range(K)])
+        self.seen = None
+
+    def begin(self, x):
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.m, x.size(-1))  # (B, T, m, d)
+
+    def block(self, H, b, layer, rope):
+        B, T_ = H.shape[:2]
+        for j, f in ((0, lambda x: layer.attn(x, rope)), (1, layer.mlp)):
+            k = 2 * b + j
+            x = torch.einsum('s,btsd->btd', self.a[k], H)
+            out = f(self.norms[k](x))
+            H = torch.einsum('st,bnsd->bntd', self.A[k], H) + self.beta[k][:, None] * out.unsqueeze(-2)
+            self.record(b, j, read=self.a[k].expand(B, T_, -1), mix=self.A[k].expand(B, T_, -1, -1),
+                        write=self.beta[k].expand(B, T_, -1))
+            if self.seen is not None:
+                self.seen.append((x, out))
+        return H
+
+    def end(self, H):
+        return H.sum(-2)
+
+    def probe(self, H):
+        return H.flatten(-2)
+
+    def lens(self, H):
+        return H.sum(-2)
+
+
+@pytest.fixture
+def toyhc(monkeypatch):
+    monkeypatch.setitem(residuals.RESIDUALS, 'toyhc', ToyHC)
+    return tiny('toyhc', n_layer=2)
+
+
+ALL_SCHEMES = sorted(residuals.RESIDUALS)
+
+# -----------------------------------------------------------------------------
+# pure math
+
+def test_angular_distance_of_parallel_orthogonal_opposite_vectors():
+    a = torch.tensor([[1.0, 2.0, -3.0]])
+    b_orth = torch.tensor([[3.0, 0.0, 1.0]])
+    d = [probe.angular_distance_tokens(a, b).item() for b in (2.5 * a, b_orth, -0.5 * a)]
+    assert d == pytest.approx([0.0, 0.5, 1.0], abs=1e-3)
+
+
+def test_effective_rank_of_identity_and_rank_one():
+    for m in (2, 4, 7):
+        assert probe.effective_rank(torch.eye(m)).item() == pytest.approx(m, rel=1e-9)
+    u, v = torch.randn(5, 1), torch.randn(1, 5)
+    assert probe.effective_rank(u @ v).item() == pytest.approx(1.0, abs=1e-6)
+    # two equal singular values and one zero -> erank 2
+    assert probe.effective_rank(torch.diag(torch.tensor([3.0, 3.0, 0.0]))).item() == pytest.approx(2.0)
+
+
+def test_uniform_mixing_powers_and_their_erank_fall_towards_one():
+    m, eps = 4, 0.3
+    U, I = torch.full((m, m), 1.0 / m, dtype=torch.float64), torch.eye(m, dtype=torch.float64)
+    A = (1 - eps) * I + eps * U
+    eranks = []
+    for k in (1, 2, 5, 20, 80):
+        Ak = torch.linalg.matrix_power(A, k)
+        torch.testing.assert_close(Ak, U + (1 - eps) ** k * (I - U))
+        eranks.append(probe.effective_rank(Ak).item())
+    assert all(x > y for x, y in zip(eranks, eranks[1:]))
+    assert eranks[0] < m and eranks[-1] == pytest.approx(1.0, abs=1e-6)
+    assert probe.mean_abs_cosine(torch.linalg.matrix_power(A, 80)).item() == pytest.approx(1.0, abs=1e-9)
+
+
+def test_mean_abs_cosine_and_spectrum_on_known_matrices():
+    assert probe.mean_abs_cosine(torch.eye(3)).item() == pytest.approx(0.0)
+    M = torch.tensor([[1.0, 1.0], [0.0, 1.0]])  # columns (1, 0) and (1, 1)
+    assert probe.mean_abs_cosine(M).item() == pytest.approx(1 / math.sqrt(2))
+    assert probe.mean_abs_cosine(torch.tensor([[1.0, -2.0], [1.0, -2.0]])).item() == pytest.approx(1.0)
+    s = probe.normalized_spectrum(torch.diag(torch.tensor([1.0, 4.0, 2.0])))
+    assert s.tolist() == pytest.approx([1.0, 0.5, 0.25])
+
+
+def test_bootstrap_interval_brackets_the_mean_and_shrinks_with_more_units():
+    rng = np.random.default_rng(0)
+    small, big = rng.normal(size=10), rng.normal(size=1000)
+    for x in (small, big):
+        mean, lo, hi = probe.bootstrap_ci(x, n_boot=500)
+        assert lo < mean < hi and mean == pytest.approx(x.mean())
+    assert np.ptp(probe.bootstrap_ci(big, 500)[1:]) < np.ptp(probe.bootstrap_ci(small, 500)[1:])
+
+
+def test_late_pair_set_size_and_ratios():
+    pairs = probe.late_pairs(32)
+    assert len(pairs) == 276 and min(s for s, _ in pairs) == 8 and max(s for s, _ in pairs) == 30
+    assert all(l > s and l <= 31 for s, l in pairs)
+    assert len(probe.late_pairs(16)) == sum(15 - s for s in range(4, 15))
+    L = 8  # s >= 2: 15 pairs
+    C, P = np.zeros((L, L)), np.zeros((L, L))
+    C[np.tril_indices(L)] = np.nan
+    C[2, 3], C[5, 7], C[0, 1] = 0.46, 0.9, 0.9   # (0, 1) is not a late pair
+    C[4, 6] = 0.45                               # not strictly greater
+    P[3, 4] = 0.2
+    r = probe.late_pair_ratio(C, P)
+    assert r['n_pairs'] == 15 and r['n_causal'] == 2 and r['R_causal'] == pytest.approx(2 / 15)
+    assert r['R_perm'] == pytest.approx(1 / 15)
+    r = probe.late_pair_ratio(C, P, causal_threshold=0.3, start_frac=0.5)  # s >= 4: 6 pairs
+    assert r['n_pairs'] == 6 and r['n_causal'] == 2
+
+
+# -----------------------------------------------------------------------------
+# interventions and geometry on tiny models
+
+def test_blocks_that_add_nothing_give_zero_causal_permutation_and_distance():
+    model = zero_blocks(tiny('preln'))
+    w = windows()
+    C = probe.causal_scores(model, w)['C']
+    P = probe.permutation_scores(model, w)['P']
+    A = probe.angular_distance(model, w)['matrix']
+    assert np.isfinite(C).sum() == 6 and np.nanmax(np.abs(C)) < 1e-6
+    assert np.isfinite(P).sum() == 6 and np.nanmax(P) < 1e-6
+    assert np.nanmax(A) < 2e-3
+    # ... whereas a working model gives non-zero scores
+    model = tiny('preln')
+    assert np.nanmin(probe.causal_scores(model, w)['C']) > 1e-3
+    assert np.nanmax(probe.permutation_scores(model, w)['P']) > 0
+
+
+def test_angular_matrix_layout_matches_direct_computation():
+    model = tiny('attnres')
+    randomize_scheme(model)
+    w = windows()
+    r = probe.angular_distance(model, w, batch_size=2)
+    rec = []
+    model.hidden(w, record=rec)
+    z = [p.flatten(2) for p, _ in rec]
+    L = 4
+    for i, j in ((0, 1), (0, L), (1, 3)):
+        assert r['matrix'][i, j] == pytest.approx(probe.angular_distance_tokens(z[i], z[j]).mean().item(), abs=1e-5)
+        assert r['subsequent'][j - i - 1, i] == r['matrix'][i, j]
+    assert np.isnan(r['matrix'][2, 1]) and np.isnan(r['subsequent'][L - 1, 1]) and r['n_tokens'] == w.numel()
+
+
+@pytest.mark.parametrize('residual', ALL_SCHEMES)
+def test_prefix_reuse_gives_the_same_scores_as_naive_reruns(residual):
+    model = randomize_scheme(tiny(residual))
+    w = windows(n=3)
+    c1, c2 = probe.causal_scores(model, w, batch_size=2), probe.causal_scores(model, w, batch_size=2, reuse=False)
+    np.testing.assert_allclose(c1['C'], c2['C'], rtol=1e-5, atol=1e-6)
+    p1 = probe.permutation_scores(model, w, batch_size=2)
+    p2 = probe.permutation_scores(model, w, batch_size=2, reuse=False)
+    np.testing.assert_allclose(p1['loss_swap'], p2['loss_swap'], rtol=1e-5)
+    np.testing.assert_allclose(p1['P'], p2['P'], rtol=1e-4, atol=1e-7)
+    # the runner's record matches GPT.hidden's for a swap and a skip
+    runner, order = probe.PrefixRunner(model), probe.swap_order(4, 1, 3)
+    rec_a, rec_b = [], []
+    ha = runner.hidden(w, order=order, skip={2}, record=rec_a)
+    hb = model.hidden(w, order=order, skip={2}, record=rec_b)
+    torch.testing.assert_close(ha, hb)
+    assert len(rec_a) == len(rec_b) == 5
+    for (pa, la), (pb, lb) in zip(rec_a, rec_b):
+        torch.testing.assert_close(pa, pb)
+        torch.testing.assert_close(la, lb)
+
+
+def test_permutation_loss_is_the_token_weighted_cross_entropy():
+    model = tiny('preln')
+    w = windows(n=3)
+    r = probe.permutation_scores(model, w, batch_size=2, pairs=[(1, 2)])
+    _, loss = model(w[:, :-1], targets=w[:, 1:])
+    assert r['loss'] == pytest.approx(loss.item(), rel=1e-5)
+    _, loss_swap = model(w[:, :-1], targets=w[:, 1:], order=[0, 2, 1, 3])
+    assert r['P'][1, 2] == pytest.approx(abs(loss_swap.item() - loss.item()) / loss.item(), rel=1e-3)
+    assert np.isfinite(r['P']).sum() == 1
+    with pytest.raises(ValueError, match='0 <= i < j'):
+        probe.permutation_scores(model, w, pairs=[(2, 1)])
+
+
+def test_causal_score_is_a_mean_of_per_token_ratios():
+    model = tiny('preln', n_layer=3)
+    w = windows(n=2)
+    C = probe.causal_scores(model, w)['C']
+    z = [p.flatten(2) for p, _ in (lambda r: (model.hidden(w, record=r), r)[1])([])]
+    zb = [p.flatten(2) for p, _ in (lambda r: (model.hidden(w, skip={0}, record=r), r)[1])([])]
+    u, ub = z[2] - z[1], zb[2] - zb[1]
+    expected = ((ub - u).norm(dim=-1) / u.norm(dim=-1)).mean().item()
+    assert C[0, 1] == pytest.approx(expected, rel=1e-5)
+    assert np.isnan(C[0, 0]) and np.isnan(C[2]).all()
+
+
+@pytest.mark.parametrize('residual', ALL_SCHEMES)
+def test_logit_lens_kl_vanishes_at_the_last_layer(residual):
+    model = randomize_scheme(tiny(residual))
+    r = probe.logit_lens(model, windows(), batch_size=2)
+    assert len(r['kl']) == 5 and r['kl'][-1] == pytest.approx(0.0, abs=1e-6) and r['top5'][-1] == pytest.approx(1.0)
+    assert min(r['kl'][:-1]) > 0
+    _, loss = model(windows()[:, :-1], targets=windows()[:, 1:])
+    assert r['ce'][-1] == pytest.approx(loss.item(), rel=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# explicit path weights and propagation
+
+def test_preln_path_weights_are_ones_below_the_diagonal():
+    model = tiny('preln')
+    W = probe.path_weights(model, windows())['W']
+    assert W.shape == (9, 9) and probe.path_weights(model, windows())['kind'] == 'unit'
+    assert (W[np.tril_indices(9)] == 1).all() and np.isnan(W[np.triu_indices(9, 1)]).all()
+
+
+def test_attnres_path_weight_rows_sum_to_one_and_are_uniform_at_init():
+    model = tiny('attnres')  # zero pseudo-queries: every read is the mean of its sources
+    W = probe.path_weights(model, windows())['W']
+    for ell in range(9):
+        np.testing.assert_allclose(W[ell, :ell + 1], 1.0 / (ell + 1), rtol=1e-5)
+    W = probe.path_weights(randomize_scheme(model), windows(), batch_size=2)['W']
+    np.testing.assert_allclose(np.nansum(W, axis=1), 1.0, rtol=1e-5)
+    assert np.nanstd(W[8]) > 1e-3 and np.isnan(W[np.triu_indices(9, 1)]).all()
+
+
+def test_hc_path_weights_of_a_hand_built_trace_equal_the_formula():
+    L, m, B, T_ = 2, 3, 2, 3
+    g = torch.Generator().manual_seed(0)
+    tape = [{'block': k // 2, 'sublayer': k % 2, 'read': torch.rand(B, T_, m, generator=g),
+             'mix': torch.rand(B, T_, m, m, generator=g), 'write': torch.rand(B, T_, m, generator=g)}
+            for k in range(2 * L)][::-1]  # any order: entries are sorted by (block, sublayer)
+    W, n = probe.hc_path_weights(tape, L)
+    tape = tape[::-1]
+    assert n == B * T_
+    for ell in range(2 * L + 1):
+        for i in range(-1, ell):  # source i + 1; i = -1 is the embedding
+            vals = []
+            for b in range(B):
+                for t in range(T_):
+                    row = torch.ones(m) if i < 0 else tape[i]['write'][b, t]
+                    for k in range(i + 1, ell):
+                        row = row @ tape[k]['mix'][b, t]
+                    read = tape[ell]['read'][b, t] if ell < 2 * L else torch.ones(m)
+                    vals.append((row @ read).item())
+            assert W[ell, i + 1] == pytest.approx(np.mean(vals), rel=1e-5)
+    assert np.isnan(W[0, 1])
+
+
+def test_hc_path_weights_reconstruct_the_branch_inputs(toyhc):
+    w = windows(n=2)
+    r = probe.path_weights(toyhc, w)
+    assert r['kind'] == 'hc'
+    W = r['W']
+    toyhc.residual.seen = []
+    with torch.no_grad():
+        h = toyhc.hidden(w)
+    seen, e = toyhc.residual.seen, toyhc.wte(w)
+    for ell in range(5):  # x_l = w_{emb->l} e + sum_i w_{i->l} f_i
+        x = h if ell == 4 else seen[ell][0]
+        rebuilt = W[ell, 0] * e + sum(W[ell, i + 1] * seen[i][1] for i in range(ell))
+        torch.testing.assert_close(rebuilt, x, rtol=1e-4, atol=1e-5)
+
+
+def test_propagation_stats_use_the_product_in_forward_order(toyhc):
+    with torch.no_grad():  # a shear then a squeeze: the order of the product matters
+        toyhc.residual.A.copy_(torch.stack([torch.tensor([[1.0, 1, 0], [0, 1, 0], [0, 0, 1]]),
+                                            torch.diag(torch.tensor([1.0, 0.1, 1.0])),
+                                            torch.tensor([[1.0, 0, 0], [0, 0, 1], [0, 1, 0]]), torch.eye(3)]))
+    A = toyhc.residual.A.double()
+    P = A[0] @ A[1] @ A[2] @ A[3]
+    P_rev = A[3] @ A[2] @ A[1] @ A[0]
+    assert abs(probe.mean_abs_cosine(P).item() - probe.mean_abs_cosine(P_rev).item()) > 0.05
+    r = probe.propagation_stats(toyhc, windows(n=4), batch_size=2, n_boot=100)
+    assert r['m'] == 3 and r['n_docs'] == 4
+    assert r['erank']['mean'] == pytest.approx(probe.effective_rank(P).item(), rel=1e-6)
+    assert r['mean_abs_cos']['mean'] == pytest.approx(probe.mean_abs_cosine(P).item(), rel=1e-6)
+    assert r['spectrum']['mean'] == pytest.approx(probe.normalized_spectrum(P).tolist(), rel=1e-6)
+    with torch.no_grad():
+        toyhc.residual.A.copy_(torch.eye(3).expand(4, 3, 3))
+    r = probe.propagation_stats(toyhc, windows(n=4), n_boot=50)
+    assert r['erank']['mean'] == pytest.approx(3.0) and r['mean_abs_cos']['mean'] == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match='HC / mHC'):
+        probe.propagation_stats(tiny('preln'), windows())
+
+
+@pytest.mark.skipif('blockattnres' not in residuals.RESIDUALS, reason="Block AttnRes not registered")
+def test_block_attnres_weights_sum_to_one():
+    model = randomize_scheme(tiny('blockattnres', n_layer=4, attnres_blocks=2))
+    r = probe.block_weights(model, windows())
+    for c, e, f in zip(r['current'], r['embedding'], r['frozen']):
+        if not np.isnan(e):
+            assert (0 if np.isnan(c) else c) + e + f == pytest.approx(1.0, abs=1e-5)
+    assert probe.path_weights(model, windows())['kind'] == 'attnres'
+
+
+def test_block_weights_need_block_attnres():
+    with pytest.raises(ValueError, match='Block AttnRes'):
+        probe.block_weights(tiny('attnres'), windows())
+
+# -----------------------------------------------------------------------------
+# ARC-Easy pruning
+
+ARC_ITEMS = [
+    {'task': 'arc_easy', 'id': 'q1', 'prompt': 'Question: What falls from clouds?\nAnswer:',
+     'choices': ['rain', 'rocks', 'a tall giraffe'], 'gold': 0},
+    {'task': 'arc_easy', 'id': 'q2', 'prompt': 'Question: Which is a planet?\nAnswer:',
+     'choices': ['Mars', 'the Moon', 'a comet'], 'gold': 0},
+    {'task': 'arc_easy', 'id': 'q3', 'prompt': 'Question: What do plants need?\nAnswer:',
+     'choices': ['sunlight and water', 'salt', 'noise', 'plastic'], 'gold': 0},
+]
+
+
+def write_arc(eval_dir):
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    (eval_dir / 'arc_easy.jsonl').write_text(''.join(json.dumps(it) + '\n' for it in ARC_ITEMS))
+
+
+def expected_arc(model, enc, items, skip=()):
+    """ARC scoring done by hand: sum of continuation log-probs from one full forward per choice."""
+    acc = acc_norm = 0
+    for it in items:
+        lps = []
+        for c in it['choices']:
+            ctx, cont = enc.encode(it['prompt']), enc.encode(it['prompt'] + ' ' + c)[len(enc.encode(it['prompt'])):]
+            ids = torch.tensor([ctx + cont])
+            with torch.no_grad():
+                logp = model(ids[:, :-1], skip=skip)[0].log_softmax(-1)[0]
+            lps.append(sum(logp[len(ctx) - 1 + k, tok].item() for k, tok in enumerate(cont)))
+        acc += int(np.argmax(lps) == it['gold'])
+        acc_norm += int(np.argmax([lp / len(c) for lp, c in zip(lps, it['choices'])]) == it['gold'])
+    return acc / len(items), acc_norm / len(items)
+
+
+def test_prune_scan_scores_the_arc_fixture_and_a_dead_block_changes_nothing(tmp_path):
+    import evals
+    write_arc(tmp_path)
+    items = evals.load_task('arc_easy', tmp_path)
+    enc = get_tokenizer('byte')
+    model = zero_blocks(randomize_scheme(tiny('preln', n_layer=3, vocab_size=257, seed=5, block_size=64)), blocks=[1])
+    r = probe.prune_scan(model, enc, items, batch_size=3, chunk_items=2)
+    assert r['n'] == 3 and len(r['blocks']) == 3
+    assert (r['baseline']['acc'], r['baseline']['acc_norm']) == pytest.approx(expected_arc(model, enc, items))
+    for b in (0, 2):
+        got = r['blocks'][b]
+        assert (got['acc'], got['acc_norm']) == pytest.approx(expected_arc(model, enc, items, skip={b}))
+        assert got['delta_acc_norm'] == pytest.approx(got['acc_norm'] - r['baseline']['acc_norm'])
+    assert r['blocks'][1]['delta_acc'] == 0 and r['blocks'][1]['delta_acc_norm'] == 0
+
+# -----------------------------------------------------------------------------
+# data, checkpoints and the command line
+
+def write_val(path, n=4000, vocab=V, seed=0):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.random.default_rng(seed).integers(0, vocab, n).astype(np.uint16).tofile(path)
+    return path
+
+
+def test_sample_windows_are_reproducible_contiguous_slices(tmp_path):
+    val = write_val(tmp_path / 'val.bin')
+    data = np.fromfile(val, dtype=np.uint16)
+    w = probe.sample_windows(val, 5, 16)
+    assert w.shape == (5, 16) and w.dtype == torch.int64
+    assert torch.equal(w, probe.sample_windows(val, 5, 16, seed=42))
+    assert not torch.equal(w, probe.sample_windows(val, 5, 16, seed=7))
+    starts = np.random.default_rng(42).integers(0, len(data) - 16 + 1, size=5)
+    for row, s in zip(w, starts):
+        assert row.tolist() == data[s:s + 16].tolist()
+    with pytest.raises(FileNotFoundError, match='prepare'):
+        probe.sample_windows(tmp_path / 'missing.bin', 2, 8)
+    with pytest.raises(ValueError, match='seq_len'):
+        probe.sample_windows(val, 2, 10_000)
+
+
+def save_ckpt(path, model, dataset='tinyset'):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    torch.save({'model': model.state_dict(), 'model_args': dict(cfg.__dict__), 'iter_num': 7,
+                'config': {'dataset': dataset}}, path)
+    return path
+
+
+def test_load_model_round_trip_and_clear_errors(tmp_path):
+    model = randomize_scheme(tiny('attnres'))
+    path = save_ckpt(tmp_path / 'run' / 'ckpt.pt', model)
+    loaded, ckpt = probe.load_model(path)
+    w = windows()
+    torch.testing.assert_close(loaded(w)[0], model(w)[0])
+    assert ckpt['iter_num'] == 7 and 'model' not in ckpt
+    with pytest.raises(FileNotFoundError, match='train.py'):
+        probe.load_model(tmp_path / 'nope.pt')
+    bad = tmp_path / 'truncated.pt'
+    bad.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    with pytest.raises(ValueError, match='truncated'):
+        probe.load_model(bad)
+
+
+def make_run(tmp_path, residual):
+    model = randomize_scheme(tiny(residual, n_layer=2, vocab_size=257))
+    ckpt = save_ckpt(tmp_path / residual / 'ckpt.pt', model)
+    return ckpt
+
+
+def test_cli_end_to_end_writes_json_and_figures(tmp_path, capsys):
+    val = write_val(tmp_path / 'data' / 'val.bin', vocab=257)
+    (val.parent / 'meta.json').write_text(json.dumps({'tokenizer': 'byte'}))
+    write_arc(tmp_path / 'evals')
+    (tmp_path / 'evals' / 'gsm8k.jsonl').write_text(json.dumps(
+        {'task': 'gsm8k', 'id': 'g1', 'prompt': 'Question: 1+1?\nAnswer:', 'answer': ' 2\n#### 2'}) + '\n')
+    ckpt = make_run(tmp_path, 'attnres')
+    common = [f'--val_bin={val}', f'--eval_dir={tmp_path / "evals"}', '--n_windows=2', '--seq_len=16',
+              '--device=cpu', '--n_boot=20']
+    res = probe.main([f'--ckpt={ckpt}', '--metrics=all'] + common)
+    out = ckpt.parent / 'probe'
+    data = json.loads((out / 'probe.json').read_text())
+    for key in ('angular', 'causal', 'permutation', 'late_pairs', 'path_weights', 'logit_lens', 'prune', 'domain_nll'):
+        assert key in data, key
+    assert set(data['skipped']) == {'block_weights', 'propagation'} and res['tokenizer'] == 'byte'
+    assert data['prune']['n'] == 3 and data['domain_nll']['tasks']['gsm8k']['n_examples'] == 1
+    assert data['causal']['C'][0][0] is None and data['settings']['angular'] == {'n_windows': 2, 'seq_len': 16, 'seed': 42}
+    for name in ('angular', 'causal', 'permutation', 'late_pairs', 'path_weights', 'prune', 'logit_lens', 'domain_nll'):
+        assert (out / f'{name}.png').stat().st_size > 1000, name
+    text = capsys.readouterr().out
+    assert 'skipping propagation' in text and 'R_causal' in text
+    with pytest.raises(SystemExit) as e:
+        probe.main([f'--ckpt={ckpt}', '--metrics=angular,bogus'] + common)
+    assert e.value.code == 1 and 'bogus' in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        probe.main([f'--ckpt={tmp_path / "missing.pt"}'] + common)
+    assert 'not found' in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_compare_overlays_several_checkpoints(tmp_path, monkeypatch):
+    monkeypatch.setitem(residuals.RESIDUALS, 'toyhc', ToyHC)
+    val = write_val(tmp_path / 'data' / 'val.bin', vocab=257)
+    ckpts = [make_run(tmp_path, r) for r in ('preln', 'attnres', 'toyhc')]
+    common = [f'--val_bin={val}', '--tokenizer=byte', f'--eval_dir={tmp_path / "none"}', '--n_windows=2',
+              '--seq_len=16', '--device=cpu', '--n_boot=20', '--metrics=angular,causal,permutation,propagation,path_weights']
+    probe.main([f'--ckpt={ckpts[0]}'] + common)  # the first one from its probe.json
+    results = probe.main(['--compare', str(ckpts[0].parent / 'probe' / 'probe.json'), str(ckpts[1]), str(ckpts[2]),
+                          f'--out_dir={tmp_path / "cmp"}'] + common)
+    assert [r['label'] for r in results] == ['preln', 'attnres', 'toyhc']
+    assert np.isnan(results[0]['causal']['C'][0, 0])  # read back from JSON as an array
+    for name in ('angular', 'causal', 'permutation', 'late_pairs', 'path_weights', 'propagation'):
+        assert (tmp_path / 'cmp' / f'{name}.png').is_file()
+    cmp = json.loads((tmp_path / 'cmp' / 'compare.json').read_text())
+    assert set(cmp) == {'preln', 'attnres', 'toyhc'} and 'propagation' in cmp['toyhc']

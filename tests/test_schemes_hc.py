@@ -1,0 +1,461 @@
+"""
+Tests of the multi-stream schemes (HC, mHC) and of Block AttnRes in residuals.py:
+parameter counts, equivalences at init, the routing algebra, Sinkhorn, causality,
+skip/swap/drop orders, traces, training and checkpoints. CPU only, tiny models.
+
+    python -m pytest tests/test_schemes_hc.py -q
+"""
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GPTConfig
+from residuals import sinkhorn
+
+V = 128          # vocabulary of the tiny test models
+SCHEMES = ('hc', 'mhc', 'blockattnres')
+
+
+def make(residual, n_layer=4, n_embd=64, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=V, block_size=32, n_layer=n_layer, n_head=4, n_embd=n_embd,
+                    residual=residual, **kw)
+    return GPT(cfg)
+
+
+def tokens(B=2, T=16, seed=1):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def perturb(model, std=0.3, seed=3):
+    """Adds noise to every scheme parameter, so that no test passes only because the
+    routing is at its (Pre-LN-like) init."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.residual.parameters():
+        p.add_(std * torch.randn(p.shape, generator=g))
+
+
+def max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# -----------------------------------------------------------------------------
+# parameter counts: closed forms (also used by the cost model)
+
+def delta_params(residual, L, d, m):
+    """Parameters a scheme adds to Pre-LN at L blocks, width d, m streams."""
+    if residual == 'hc':  # per sublayer: static [A_m|A_r], W, s_alpha, static beta, w_beta, s_beta
+        return 2 * L * (m * (m + 1) + d * (m + 1) + 1 + m + d + 1)
+    if residual == 'mhc':  # per sublayer: phi (md x (m^2+2m)), bias (m^2+2m), three gates
+        return 2 * L * ((m * d) * (m * m + 2 * m) + (m * m + 2 * m) + 3)
+    if residual == 'blockattnres':  # 2L reads (2L-1 sublayers + final), each a query and a key gain
+        return 2 * L * 2 * d
+    raise KeyError(residual)
+
+
+@pytest.mark.parametrize('residual', SCHEMES)
+@pytest.mark.parametrize('L,d,m', [(1, 32, 4), (3, 64, 2), (4, 48, 3)])
+def test_extra_parameters_match_closed_form(residual, L, d, m):
+    base = make('preln', n_layer=L, n_embd=d).num_params()
+    model = make(residual, n_layer=L, n_embd=d, hc_streams=m, attnres_blocks=2 * L)
+    assert model.num_params() - base == delta_params(residual, L, d, m)
+
+
+def test_closed_forms_at_m4():
+    # the simplified forms quoted in the cost model: 12Ld + 52L, 192Ld + 54L, 4Ld
+    for L, d in [(16, 1216), (32, 896)]:
+        assert delta_params('hc', L, d, 4) == 12 * L * d + 52 * L
+        assert delta_params('mhc', L, d, 4) == 192 * L * d + 54 * L
+        assert delta_params('blockattnres', L, d, 4) == 4 * L * d
+
+
+# -----------------------------------------------------------------------------
+# equivalences with the same backbone weights
+
+def pair(residual, **kw):
+    """(scheme model, Pre-LN model) with identical backbone weights and pre-norms. The
+    tiny norm eps makes RMSNorm exactly scale invariant: the schemes' readouts are
+    rescaled Pre-LN states (m h for the stream sum, h / n for a mean of n sources)."""
+    pre = make('preln', norm_eps=1e-12)
+    with torch.no_grad():  # non-trivial norm gains, so that they must be loaded correctly
+        for n, p in pre.named_parameters():
+            if n.endswith('norm.weight') or n == 'norm_f.weight':
+                p.add_(0.2 * torch.randn_like(p))
+    model = make(residual, norm_eps=1e-12, seed=7, **kw)
+    missing, unexpected = model.load_state_dict(pre.state_dict(), strict=False)
+    assert not unexpected
+    assert all(k.startswith('residual.') for k in missing)
+    return model.eval(), pre.eval()
+
+
+@torch.no_grad()
+def test_hc_at_init_equals_preln():
+    model, pre = pair('hc', hc_out_init_scale=True)
+    idx = tokens()
+    # all streams stay equal to Pre-LN's h (one-hot read, A_r = I, beta = 1); exact up to fp32 rounding
+    torch.testing.assert_close(model(idx)[0], pre(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_mhc_gap8_at_init_equals_preln():
+    model, pre = pair('mhc', mhc_init='gap8')
+    idx = tokens()
+    # Tolerance: the sigma(-8) = 3.4e-4 leakage of H_pre into the other streams only rescales
+    # u = (sigma(8) + (m-1) sigma(-8)) h while all streams are equal, which RMSNorm removes;
+    # H_res's columns sum to 1 (Sinkhorn ends on columns), so each new stream is again h + f,
+    # and H_post = 2 sigma(0) = 1. Hence the match is exact up to fp32 rounding, not 1e-3.
+    torch.testing.assert_close(model(idx)[0], pre(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_mhc_uniform_is_preln_only_without_the_dynamic_part():
+    model, pre = pair('mhc', mhc_init='uniform')
+    idx = tokens()
+    ref = pre(idx)[0]
+    # With the gates at 0, H_pre = 1/2 (u = (m/2) h, rescaled away by RMSNorm), H_res = 11^T/m
+    # (the mean of equal streams is h) and H_post = 1: exactly Pre-LN.
+    gates = [p for n, p in model.residual.named_parameters() if '.alpha_' in n]
+    for g in gates:
+        g.zero_()
+    torch.testing.assert_close(model(idx)[0], ref, rtol=1e-5, atol=1e-5)
+    # With the default gates 0.01 and phi ~ N(0, 0.02^2), the logits x' phi have std
+    # 0.02 sqrt(md) = 0.32, so H_post = 2 sigma(0.01 x' phi) = 1 + O(2e-3) per stream: the streams
+    # drift apart by ~0.2% of each branch output per sublayer -- close to Pre-LN, not equal.
+    for g in gates:
+        g.fill_(0.01)
+    err = max_rel(model(idx)[0], ref)
+    assert 1e-6 < err < 0.05
+
+
+@pytest.mark.parametrize('blocks', [1, 2, 4])
+@torch.no_grad()
+def test_blockattnres_zero_queries_equal_preln(blocks):
+    model, pre = pair('blockattnres', attnres_blocks=blocks)  # S = 8, 4, 2 sublayers
+    idx = tokens()
+    # every read is the mean of its sources, whose sum is Pre-LN's residual stream
+    torch.testing.assert_close(model(idx)[0], pre(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_blockattnres_block_size_one_is_full_attnres():
+    full = make('attnres')
+    perturb(full)  # random non-zero queries and key gains
+    block = make('blockattnres', attnres_blocks=8, seed=5)  # 2L = 8 sublayers: S = 1
+    assert block.residual.group_size == 1
+    block.load_state_dict(full.state_dict())  # same parameter layout
+    idx = tokens()
+    for kw in [{}, {'skip': (0,)}, {'skip': (2,)}, {'order': [2, 0, 3, 1]}, {'order': [0, 1, 3]}]:
+        torch.testing.assert_close(block(idx, **kw)[0], full(idx, **kw)[0], rtol=0, atol=1e-6)
+    with block.residual.trace() as tb, full.residual.trace() as tf:
+        block(idx), full(idx)
+    assert len(tb) == len(tf) == 8
+    for a, b in zip(tb, tf):
+        assert (a['block'], a['sublayer']) == (b['block'], b['sublayer'])
+        torch.testing.assert_close(a['weights'], b['weights'])
+    # ... while S = 2 is a different model with the same weights (the test can fail)
+    other = make('blockattnres', attnres_blocks=4)
+    other.load_state_dict(full.state_dict())
+    assert max_rel(other(idx)[0], full(idx)[0]) > 1e-3
+
+
+def test_blockattnres_block_size():
+    assert make('blockattnres', n_layer=4, attnres_blocks=2).residual.group_size == 4
+    assert make('blockattnres', n_layer=2).residual.group_size == 1  # 2L = 4 < 8 blocks: S = 1
+    with pytest.raises(ValueError, match='attnres_blocks'):
+        make('blockattnres', n_layer=3, attnres_blocks=4)  # 6 sublayers in 4 blocks
+
+
+# -----------------------------------------------------------------------------
+# the routing algebra, checked against an explicit per-stream loop
+
+@torch.no_grad()
+def test_hc_sublayer_matches_explicit_formula():
+    model = make('hc', n_layer=1, hc_streams=3)
+    perturb(model)
+    res, r, norm = model.residual, model.residual.layers[0].attn_route, model.residual.layers[0].attn_norm
+    H = torch.randn(2, 5, 3, 64)
+    f = torch.nn.Linear(64, 64)
+    out = res.sublayer(H, 0, 0, r, norm, f)
+    for bt in [(0, 0), (1, 4)]:
+        Hs = H[bt]                                                          # (m, d)
+        Hbar = Hs / Hs.pow(2).mean(-1, keepdim=True).add(1e-8).sqrt()
+        A = r.static_alpha + r.alpha_scale * torch.tanh(Hbar @ r.dynamic_alpha)   # (m, m+1)
+        beta = r.static_beta + r.beta_scale * torch.tanh(Hbar @ r.dynamic_beta)   # (m)
+        x = sum(A[s, 0] * Hs[s] for s in range(3))
+        y = f(norm(x))
+        for t in range(3):
+            want = sum(A[s, 1 + t] * Hs[s] for s in range(3)) + beta[t] * y
+            torch.testing.assert_close(out[bt][t], want, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_mhc_sublayer_matches_explicit_formula():
+    model = make('mhc', n_layer=1, hc_streams=3, mhc_init='uniform')
+    perturb(model, std=0.05)
+    res, r, norm = model.residual, model.residual.layers[0].mlp_route, model.residual.layers[0].mlp_norm
+    H = torch.randn(2, 5, 3, 64)
+    f = torch.nn.Linear(64, 64)
+    out = res.sublayer(H, 0, 1, r, norm, f)
+    for bt in [(0, 1), (1, 3)]:
+        v = H[bt].flatten()
+        xp = v / v.pow(2).mean().add(model.config.norm_eps).sqrt()
+        lg = xp @ r.phi
+        pre = torch.sigmoid(r.alpha_pre * lg[:3] + r.bias[:3])
+        post = 2 * torch.sigmoid(r.alpha_post * lg[3:6] + r.bias[3:6])
+        P = torch.exp(r.alpha_res * lg[6:].view(3, 3) + r.bias[6:].view(3, 3)).double()
+        for _ in range(model.config.mhc_sinkhorn_iters):
+            P = P / P.sum(1, keepdim=True)
+            P = P / P.sum(0, keepdim=True)
+        u = sum(pre[i] * H[bt][i] for i in range(3))
+        y = f(norm(u))
+        for j in range(3):
+            want = sum(P[i, j].float() * H[bt][i] for i in range(3)) + post[j] * y
+            torch.testing.assert_close(out[bt][j], want, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_hc_residual_mixing_is_applied():
+    model = make('hc')
+    perturb(model, std=0.1)  # unequal streams, so that mixing them matters
+    idx = tokens()
+    before = model(idx)[0]
+    r = model.residual.layers[1].attn_route
+    r.static_alpha[:, 1:] = torch.tensor([[0., 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0]])
+    assert max_rel(model(idx)[0], before) > 1e-3
+
+
+# -----------------------------------------------------------------------------
+# Sinkhorn
+
+def scaled_logits(n, m=4, seed=0):
+    """Logits up to +-50: a core in [-1, 1] plus row and column offsets up to +-24.5. The
+    offsets are a diagonal rescaling of exp(logits), which Sinkhorn removes exactly, so the
+    core sets the convergence speed and the offsets test the numerics."""
+    g = torch.Generator().manual_seed(seed)
+    core = torch.rand(n, m, m, generator=g) * 2 - 1
+    rows = (torch.rand(n, m, 1, generator=g) * 2 - 1) * 24.5
+    cols = (torch.rand(n, 1, m, generator=g) * 2 - 1) * 24.5
+    return core + rows + cols
+
+
+@pytest.mark.parametrize('mode', ['fp32', 'bf16_input', 'autocast'])
+def test_sinkhorn_is_doubly_stochastic(mode):
+    z = scaled_logits(2000)
+    assert z.abs().max() > 40
+    if mode == 'bf16_input':
+        z = z.bfloat16()
+    if mode == 'autocast':
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            P = sinkhorn(z @ torch.eye(4), 20)  # the matmul makes autocast hand it bf16 logits
+    else:
+        P = sinkhorn(z, 20)
+    assert P.dtype == torch.float32 and torch.isfinite(P).all() and (P >= 0).all()
+    assert (P.sum(-1) - 1).abs().max() < 1e-3
+    assert (P.sum(-2) - 1).abs().max() < 1e-3
+
+
+def test_sinkhorn_extreme_logits_are_safe_and_match_float64():
+    # i.i.d. logits in [-50, 50]: far from converged after 20 rounds (the rate depends on the
+    # spread of the logits), but finite, non-negative, columns exact, and the same iterate as
+    # a plain float64 row/column normalisation
+    z = (torch.rand(2000, 4, 4, generator=torch.Generator().manual_seed(2)) * 2 - 1) * 50
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        P = sinkhorn(z, 20)
+    assert torch.isfinite(P).all() and (P >= 0).all()
+    assert (P.sum(-2) - 1).abs().max() < 1e-3
+    R = torch.exp(z.double() - z.double().amax((-1, -2), keepdim=True))
+    for _ in range(20):
+        R = R / R.sum(-1, keepdim=True)
+        R = R / R.sum(-2, keepdim=True)
+    torch.testing.assert_close(P.double(), R, rtol=0, atol=1e-4)
+
+
+def test_sinkhorn_rejects_bad_input():
+    with pytest.raises(ValueError, match='square'):
+        sinkhorn(torch.zeros(3, 4), 20)
+    with pytest.raises(ValueError, match='iters'):
+        sinkhorn(torch.zeros(4, 4), 0)
+
+
+def test_mhc_routing_runs_in_fp32_under_autocast():
+    model = make('mhc', mhc_init='uniform')
+    with torch.autocast('cpu', dtype=torch.bfloat16), model.residual.trace() as tape:
+        _, loss = model(tokens(), tokens(seed=2))
+    assert torch.isfinite(loss)
+    for rec in tape:
+        assert rec['mix'].dtype == torch.float32
+        assert (rec['mix'].sum(-2) - 1).abs().max() < 1e-4
+
+
+# -----------------------------------------------------------------------------
+# causality, orders, probe states, traces
+
+@pytest.mark.parametrize('residual', SCHEMES)
+@torch.no_grad()
+def test_causal(residual):
+    model = make(residual, attnres_blocks=4)
+    perturb(model, std=0.1)
+    idx = tokens(T=20)
+    idx2 = idx.clone()
+    idx2[:, 12] = (idx2[:, 12] + 1) % V
+    a, b = model(idx)[0], model(idx2)[0]
+    torch.testing.assert_close(a[:, :12], b[:, :12], rtol=0, atol=0)
+    assert (a[:, 12:] - b[:, 12:]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize('residual', SCHEMES)
+@torch.no_grad()
+def test_skip_swap_drop_orders(residual):
+    model = make(residual, attnres_blocks=4)
+    perturb(model, std=0.1)
+    idx = tokens()
+    base = model(idx)[0]
+    for kw in [{'order': [1, 0, 2, 3]}, {'order': [0, 2, 3]}, {'skip': (1,)}, {'skip': (0, 3)}]:
+        rec = []
+        h = model.hidden(idx, record=rec, **kw)
+        logits = model.head(h)
+        assert logits.shape == base.shape and torch.isfinite(logits).all()
+        assert max_rel(logits, base) > 1e-4  # each intervention changes the model
+        assert len(rec) == len(kw.get('order', range(4))) + 1
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+@torch.no_grad()
+def test_multistream_probe_lens_and_skip(residual):
+    m = 3
+    model = make(residual, hc_streams=m)
+    perturb(model, std=0.1)
+    idx = tokens()
+    x = model.wte(idx)
+    rec = []
+    h = model.hidden(idx, skip=(2,), record=rec)
+    probe0, lens0 = rec[0]
+    assert probe0.shape == (2, 16, m * 64) and lens0.shape == (2, 16, 64)
+    torch.testing.assert_close(probe0, x.repeat(1, 1, m))  # z_0 = m copies of the embedding
+    torch.testing.assert_close(lens0, m * x)
+    torch.testing.assert_close(rec[3][0], rec[2][0], rtol=0, atol=0)  # skip = identity on all streams
+    torch.testing.assert_close(h, rec[-1][1])  # readout = sum of the streams = the last lens
+    assert (rec[2][0] - rec[1][0]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_blockattnres_probe_states_and_next_output_rule():
+    model = make('blockattnres', attnres_blocks=4)  # S = 2: every attention read is a boundary
+    idx = tokens()
+    x = model.wte(idx)
+    rec = []
+    model.hidden(idx, skip=(1,), record=rec)
+    torch.testing.assert_close(rec[0][0], x)
+    # after block 0 the attention read (k = 2) is a boundary: probe = lens = mean(v_0, P_0) at zero queries
+    torch.testing.assert_close(rec[1][0], rec[1][1], rtol=0, atol=0)
+    block0 = 2 * rec[1][1] - x                                  # P_0 = f_0 + f_1
+    # block 1 skipped, the next read (k = 4) is a boundary: identity on the newest source P_0
+    torch.testing.assert_close(rec[2][0], block0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rec[2][1], rec[2][0], rtol=0, atol=0)
+
+    model = make('blockattnres', attnres_blocks=2)  # S = 4: block 1's attention read (k = 2) is inside a block
+    rec = []
+    model.hidden(idx, record=rec)
+    mix1, partial1 = rec[1][1], rec[1][0]
+    # probe = the running partial sum, lens = the mix of [v_0, P] = (v_0 + P) / 2 at zero queries
+    torch.testing.assert_close(mix1, (x + partial1) / 2, rtol=1e-5, atol=1e-5)
+    assert (partial1 - mix1).abs().max() > 1e-3
+    torch.testing.assert_close(rec[2][0], rec[2][1], rtol=0, atol=0)  # k = 4: a boundary
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+@torch.no_grad()
+def test_multistream_trace(residual):
+    m, L = 4, 4
+    model = make(residual, n_layer=L)
+    perturb(model, std=0.05)
+    with model.residual.trace() as tape:
+        model(tokens())
+    assert [(r['block'], r['sublayer']) for r in tape] == [(b, j) for b in range(L) for j in (0, 1)]
+    for r in tape:
+        assert r['read'].shape == (2, 16, m) and r['write'].shape == (2, 16, m)
+        assert r['mix'].shape == (2, 16, m, m)
+        assert all(torch.isfinite(r[k]).all() for k in ('read', 'mix', 'write'))
+    if residual == 'mhc':  # H_res is (approximately) doubly stochastic, H_post in (0, 2)
+        assert all((r['mix'].sum(-2) - 1).abs().max() < 1e-4 for r in tape)
+        assert all(((r['write'] > 0) & (r['write'] < 2)).all() for r in tape)
+
+
+@pytest.mark.parametrize('blocks', [8, 4, 2])
+@torch.no_grad()
+def test_blockattnres_trace_follows_the_boundary_rule(blocks):
+    L = 4
+    model = make('blockattnres', n_layer=L, attnres_blocks=blocks)
+    S = 2 * L // blocks
+    with model.residual.trace() as tape:
+        model(tokens())
+    # reads k = 1 .. 2L (k = 2L: the final aggregator, recorded as block L, sublayer 0)
+    assert [(r['block'], r['sublayer']) for r in tape] == [((k + 1) // 2, k % 2) for k in range(1, 2 * L + 1)]
+    for k, r in zip(range(1, 2 * L + 1), tape):
+        n = 1 + k // S + (k % S != 0)  # embedding, frozen blocks, the running partial sum
+        assert r['weights'].shape == (n, 2, 16)
+        assert int(r['current']) == (n - 1 if k % S else -1)
+        torch.testing.assert_close(r['weights'], torch.full_like(r['weights'], 1 / n))  # zero queries
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+@torch.no_grad()
+def test_routing_travels_with_the_block(residual):
+    model = make(residual)  # m = 4
+    with model.residual.trace() as tape:
+        model(tokens(), order=[1, 0, 2, 3])
+    first = tape[0]
+    assert (first['block'], first['sublayer']) == (1, 0)
+    read = first['read']
+    # block 1's attention is sublayer k = 2: it reads stream 2 even when it runs first
+    assert (read.argmax(-1) == 2).all()
+    assert read[..., 2].min() > 0.99 and read[..., [0, 1, 3]].max() < 1e-3
+    # block 0's own attention read (third record) is stream 0
+    assert (tape[2]['read'].argmax(-1) == 0).all() and tape[2]['block'] == 0
+
+
+# -----------------------------------------------------------------------------
+# training and checkpoints
+
+def test_weight_decay_groups():
+    for residual, static, dynamic in [('hc', 'static_alpha', 'dynamic_alpha'), ('mhc', 'bias', 'phi')]:
+        model = make(residual, n_layer=2)
+        names = dict(model.residual.named_parameters())
+        nwd = model.residual.no_weight_decay()
+        assert nwd and nwd <= set(names)
+        opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+        decayed = {id(p) for p in opt.param_groups[0]['params']}
+        assert id(names[f'layers.1.mlp_route.{static}']) not in decayed
+        assert id(names[f'layers.1.mlp_route.{dynamic}']) in decayed
+
+
+@pytest.mark.parametrize('residual', SCHEMES)
+def test_trains_and_round_trips(residual):
+    model = make(residual, n_layer=2, n_embd=32, attnres_blocks=2, mhc_init='uniform' if residual == 'mhc' else 'gap8')
+    opt = model.configure_optimizers(0.1, 3e-3, (0.9, 0.95))
+    idx, tgt = tokens(B=4, T=16, seed=4), tokens(B=4, T=16, seed=5)
+    losses = []
+    for _ in range(50):
+        _, loss = model(idx, tgt)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(map(lambda v: v == v and abs(v) < 1e4, losses))
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    # the scheme's parameters learn too
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.residual.parameters())
+
+    buf = io.BytesIO()
+    torch.save({'model': model.state_dict(), 'config': model.config.__dict__}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    again = GPT(GPTConfig.from_dict(ckpt['config']))
+    again.load_state_dict(ckpt['model'])
+    model.eval(), again.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(idx)[0], model(idx)[0], rtol=0, atol=0)

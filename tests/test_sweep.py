@@ -1,0 +1,230 @@
+"""
+Tests of sweep.py: skip / resume / start decisions and the command lines built for
+them (the training subprocess is replaced by a recorder), option parsing, and
+collect + plot from fake summary.json / metrics.jsonl files.
+
+    python -m pytest tests/test_sweep.py -q
+"""
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import families  # noqa: E402
+import sweep  # noqa: E402
+
+
+def _write_summary(root, out_dir, val_loss, n_params=None, finished=True):
+    d = root / out_dir
+    d.mkdir(parents=True, exist_ok=True)
+    (d / 'summary.json').write_text(json.dumps(dict(finished=finished, iter=100, max_iters=100, val_loss=val_loss,
+                                                    train_loss=val_loss - 0.05, n_params=n_params, tokens=409600)))
+
+
+def _write_partial(root, out_dir, val_losses, torn=True):
+    """An interrupted run: ckpt.pt + metrics.jsonl with evals, train-only lines, a torn last line."""
+    d = root / out_dir
+    d.mkdir(parents=True, exist_ok=True)
+    (d / 'ckpt.pt').write_bytes(b'fake')
+    lines = []
+    for i, v in enumerate(val_losses):
+        lines.append(json.dumps(dict(iter=10 * i, tokens=40960 * i, train_loss=v + 0.3, val_loss=v, lr=1e-3)))
+        lines.append(json.dumps(dict(iter=10 * i + 5, tokens=40960 * i + 20480, train_loss=v - 0.7, lr=1e-3)))
+    text = "\n".join(lines) + "\n" + ('{"iter": 99, "val_lo' if torn else '')
+    (d / 'metrics.jsonl').write_text(text)
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A fake checkout: generated configs, a train.py placeholder; sweep.ROOT points at it."""
+    families.write_configs(root=tmp_path)
+    (tmp_path / 'train.py').write_text("raise SystemExit('not run in tests')\n")
+    for dataset in ('fineweb_edu', 'fineweb_edu_byte'):
+        (tmp_path / 'data' / dataset).mkdir(parents=True)
+        (tmp_path / 'data' / dataset / 'train.bin').write_bytes(b'')
+    monkeypatch.setattr(sweep, 'ROOT', str(tmp_path))
+    return tmp_path
+
+
+class Recorder:
+    """Stands in for sweep.run_command: records (cmd, cwd); 'finishes' runs unless told to fail."""
+
+    def __init__(self, root, fail=()):
+        self.root, self.fail, self.calls = root, set(fail), []
+
+    def __call__(self, cmd, cwd):
+        self.calls.append((cmd, cwd))
+        config = next(a for a in cmd if a.startswith('config/'))
+        run = next(r for r in families.all_runs() if r.config_path == config)
+        if run.name in self.fail:
+            return 3
+        _write_summary(self.root, run.out_dir, 1.5)
+        return 0
+
+
+def test_skip_resume_start_commands(repo, monkeypatch):
+    _write_summary(repo, 'out/mini/preln_L2', 1.4)                 # finished -> skipped
+    _write_partial(repo, 'out/mini/attnres_L2', [2.0, 1.8])        # ckpt.pt -> resumed
+    _write_summary(repo, 'out/mini/hc_L2', 9.9, finished=False)    # summary but not finished, no ckpt -> new
+    rec = Recorder(repo)
+    monkeypatch.setattr(sweep, 'run_command', rec)
+    failures = sweep.sweep('mini', shapes=[2], extra=['--eval_iters=2', '--betas=(0.9,0.95)'])
+    assert failures == []
+    py = sys.executable
+    assert [c for c, _ in rec.calls] == [
+        [py, 'train.py', 'config/mini/attnres_L2.py', '--init_from=resume', '--eval_iters=2', '--betas=(0.9,0.95)'],
+        [py, 'train.py', 'config/mini/hc_L2.py', '--eval_iters=2', '--betas=(0.9,0.95)'],
+    ]
+    assert all(cwd == str(repo) for _, cwd in rec.calls)
+    # a second sweep has nothing left to do
+    rec.calls.clear()
+    assert sweep.sweep('mini', shapes=[2]) == [] and rec.calls == []
+
+
+def test_failures_do_not_stop_the_sweep(repo, monkeypatch, capsys):
+    rec = Recorder(repo, fail={'attnres_L4'})
+    monkeypatch.setattr(sweep, 'run_command', rec)
+    rc = sweep.main(['family=mini', 'schemes=preln,attnres', 'shapes=2,4'])
+    assert rc == 1
+    ran = [c[2] for c, _ in rec.calls]
+    assert ran == ['config/mini/preln_L2.py', 'config/mini/attnres_L2.py',
+                   'config/mini/preln_L4.py', 'config/mini/attnres_L4.py']
+    err = capsys.readouterr().err
+    assert '1 run(s) failed' in err and 'attnres_L4: exit status 3' in err
+    # the sweep collected what finished
+    res = json.loads((repo / 'out' / 'mini' / 'results.json').read_text())
+    status = {r['name']: r['status'] for r in res['runs']}
+    assert status['preln_L4'] == 'finished' and status['attnres_L4'] == 'missing'
+
+
+def test_exit_zero_without_summary_is_a_failure(repo, monkeypatch):
+    monkeypatch.setattr(sweep, 'run_command', lambda cmd, cwd: 0)
+    failures = sweep.sweep('mini', schemes=['preln'], shapes=[8])
+    assert failures == [('preln_L8', 'exited 0 but out_dir has no finished summary.json')]
+
+
+def test_print_mode_commands(repo, monkeypatch, capsys):
+    monkeypatch.setattr(sweep, 'run_command', lambda *a: pytest.fail("print mode must not run anything"))
+    _write_partial(repo, 'out/main/attnres_L32', [3.0])
+    _write_summary(repo, 'out/main/preln_L32', 2.8)
+    assert sweep.main(['--family=main', '--schemes=preln,attnres', '--shapes=32', '--run=print']) == 0
+    out = capsys.readouterr().out
+    assert 'torchrun --standalone --nproc_per_node=8 train.py config/attnres_L32.py --init_from=resume' in out
+    assert 'preln_L32 (out/main/preln_L32): finished, skipped' in out
+    assert 'train.py config/preln_L32.py' not in out
+    assert sweep.main(['family=onepointsix', 'schemes=hc', 'shapes=54', 'run=print', 'nnodes=4',
+                       'nproc_per_node=8']) == 0
+    out = capsys.readouterr().out
+    assert ('torchrun --nnodes=4 --node_rank=$NODE_RANK --nproc_per_node=8 --master_addr=$MASTER_ADDR '
+            '--master_port=29500 train.py config/onepointsix/hc_L54.py') in out
+
+
+def test_local_multi_gpu_uses_torchrun(repo, monkeypatch):
+    rec = Recorder(repo)
+    monkeypatch.setattr(sweep, 'run_command', rec)
+    sweep.sweep('main', schemes=['hc'], shapes=[70], nproc_per_node=8)
+    (cmd, _), = rec.calls
+    assert cmd == [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=8',
+                   'train.py', 'config/hc_L70.py']
+
+
+def test_parse_args():
+    o = sweep.parse_args(['family=main', '--schemes=preln,hc', 'shapes=16,32',
+                          'extra=--device=cpu,--betas=(0.9,0.95)', 'plot_only=true'])
+    assert o['family'] == 'main' and o['schemes'] == ['preln', 'hc'] and o['shapes'] == [16, 32]
+    assert o['extra'] == ['--device=cpu', '--betas=(0.9,0.95)'] and o['plot_only'] is True
+    for bad, msg in [(['schemes=preln'], 'give a family'), (['family=huge'], 'unknown family'),
+                     (['family=main', 'colour=red'], 'unknown option'), (['family=main', 'shapes=a'], 'depths'),
+                     (['family=main', 'nproc_per_node=0'], 'positive integer'), (['family', 'main'], 'key=value')]:
+        with pytest.raises(ValueError, match=msg):
+            sweep.parse_args(bad)
+
+
+def test_bad_options_exit_with_one_line(repo, capsys):
+    assert sweep.main(['family=main', 'extra=--out_dir=x']) == 2
+    assert 'sweep sets out_dir' in capsys.readouterr().err
+    assert sweep.main(['family=main', 'run=cluster']) == 2
+    assert 'run=local or run=print' in capsys.readouterr().err
+    assert sweep.main(['family=main', 'schemes=nope']) == 2
+    (repo / 'data' / 'fineweb_edu_byte' / 'train.bin').unlink()
+    assert sweep.main(['family=mini']) == 2
+    assert 'data/fineweb_edu_byte/train.bin not found' in capsys.readouterr().err
+    assert sweep.main(['family=mini', 'run=print']) == 0  # printing needs no data here
+    (repo / 'train.py').unlink()
+    assert sweep.main(['family=mini']) == 2
+    assert 'train.py not found' in capsys.readouterr().err
+
+
+# -----------------------------------------------------------------------------
+# collect + plot
+
+
+def _png_size(path):
+    data = Path(path).read_bytes()
+    assert data[:8] == b'\x89PNG\r\n\x1a\n'
+    return struct.unpack('>II', data[16:24])  # IHDR width, height
+
+
+def test_collect_values(tmp_path):
+    _write_summary(tmp_path, 'out/mini/preln_L4', 1.61, n_params=870_000)
+    _write_partial(tmp_path, 'out/mini/hc_L4', [2.5, 2.1, 1.9])
+    rows = sweep.collect('mini', root=str(tmp_path))
+    saved = json.loads((tmp_path / 'out' / 'mini' / 'results.json').read_text())
+    assert saved['family'] == 'mini' and saved['runs'] == rows
+    by = {r['name']: r for r in rows}
+    assert len(rows) == len(families.runs('mini'))
+    fin = by['preln_L4']
+    assert (fin['status'], fin['val_loss'], fin['n_params'], fin['params_M']) == ('finished', 1.61, 870_000, 0.87)
+    part = by['hc_L4']
+    # the last *validation* loss, not the last train loss, and the torn line is skipped
+    assert (part['status'], part['val_loss'], part['iter']) == ('unfinished', 1.9, 20)
+    run = next(r for r in families.runs('mini') if r.name == 'hc_L4')
+    assert part['params_M'] == run.total / 1e6 and part['ratio'] == run.d / run.L
+    assert by['attnres_L8']['status'] == 'missing' and by['attnres_L8']['val_loss'] is None
+
+
+def test_plots_two_panels_when_both_families_have_results(tmp_path):
+    root = str(tmp_path)
+    # main's L=16, 20 are not fixed-backbone shapes: one panel
+    for i, r in enumerate(families.runs('main', schemes=['preln', 'attnres'], shapes=[16, 20])):
+        _write_summary(tmp_path, r.out_dir, 2.8 - 0.01 * i)
+    rows = sweep.collect('main', root=root)
+    (one,) = sweep.plot('main', rows, root=root)
+    assert one.endswith('loss_vs_ratio.png')
+    w1, h1 = _png_size(one)
+    _write_partial(tmp_path, 'out/fixed_backbone/hc_L16', [2.9])  # d=1248: its own run
+    (two,) = sweep.plot('main', rows, root=root)
+    w2, h2 = _png_size(two)
+    assert h2 == h1 and w2 == 2 * w1  # a second (fixed-backbone) panel
+    # main's L=24 (d=1024) is also a fixed-backbone run: it shows up there
+    _write_summary(tmp_path, 'out/main/preln_L24', 2.75)
+    fb = {r['name']: r for r in sweep.collect('fixed_backbone', root=root)}
+    assert fb['preln_L24']['status'] == 'finished' and fb['preln_L24']['out_dir'] == 'out/main/preln_L24'
+
+
+def test_cross_scale_size_plot(tmp_path):
+    root = str(tmp_path)
+    assert sweep.plot('cross_scale', root=root) == []  # nothing to plot yet
+    for r in families.runs('cross_scale', schemes=['preln', 'hc']):
+        _write_summary(tmp_path, r.out_dir, 3.5 - r.total / 1e9)
+    rows = sweep.collect('cross_scale', root=root)
+    paths = sweep.plot('cross_scale', rows, root=root)
+    assert sorted(Path(p).name for p in paths) == ['loss_vs_ratio.png', 'loss_vs_size.png']
+    w, _ = _png_size(next(p for p in paths if p.endswith('loss_vs_size.png')))
+    hc_only = sweep.plot('cross_scale', [r for r in rows if r['scheme'] == 'hc'], root=root)
+    w1, _ = _png_size(next(p for p in hc_only if p.endswith('loss_vs_size.png')))
+    assert w > w1  # one panel per scheme
+    assert sum(r['status'] == 'finished' for r in rows) == 24  # 400M rows read main's out_dirs
+
+
+def test_plot_only_cli(repo, capsys):
+    _write_summary(repo, 'out/mini/preln_L2', 1.7)
+    assert sweep.main(['family=mini', 'plot_only=True']) == 0
+    assert (repo / 'out' / 'mini' / 'loss_vs_ratio.png').exists()
+    assert '1 finished, 0 unfinished, 8 missing' in capsys.readouterr().out

@@ -1,0 +1,149 @@
+"""train.py end to end on CPU: loss goes down, exact resume, DDP == accumulation, bad inputs.
+train.py is a script, so each case runs it in a subprocess on a tiny dataset the test writes.
+Run: python -m pytest tests/test_train.py -q"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / 'shared' / 'data'
+TINY = ['--device=cpu', '--compile=False', '--n_layer=2', '--n_embd=32', '--n_head=2', '--block_size=32',
+        '--batch_size=4', '--gradient_accumulation_steps=2', '--log_interval=1', '--eval_iters=2']
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    """A learnable byte-level corpus: a repeated short text with some noise."""
+    d = tmp_path_factory.mktemp('data')
+    rng = np.random.default_rng(0)
+    text = np.frombuffer(b'the quick brown fox jumps over the lazy dog. ' * 800, dtype=np.uint8).astype(np.uint16)
+    noise = rng.integers(0, 256, size=text.size, dtype=np.uint16)
+    tokens = np.where(rng.random(text.size) < 0.05, noise, text)
+    tokens[:30000].tofile(d / 'train.bin')
+    tokens[30000:].tofile(d / 'val.bin')
+    (d / 'meta.json').write_text(json.dumps({'vocab_size': 257, 'tokenizer': 'byte'}))
+    return d
+
+
+def train(*args, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    r = subprocess.run([sys.executable, 'train.py', *args], cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    if check and r.returncode:
+        raise AssertionError(f"train.py failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / 'metrics.jsonl').read_text().splitlines()]
+
+
+def train_losses(out):
+    return [(m['iter'], m['train_loss']) for m in metrics(out) if 'train_loss' in m]
+
+
+@pytest.mark.parametrize('residual', ['preln', 'attnres'])
+def test_thirty_iterations_lower_the_loss(residual, data_dir, tmp_path):
+    out = tmp_path / 'out'
+    train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', f'--residual={residual}', '--max_iters=30',
+          '--eval_interval=30', '--learning_rate=3e-3')
+    rows = metrics(out)
+    val = [m['val_loss'] for m in rows if 'val_loss' in m]
+    assert val[0] == pytest.approx(np.log(257), abs=0.3)  # uniform at init
+    assert val[-1] < val[0] - 1.0
+    losses = [l for _, l in train_losses(out)]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0
+    last = [m for m in rows if 'train_loss' in m][-1]
+    for key in ('tokens', 'lr', 'grad_norm', 'dt_ms', 'tokens_per_s', 'mfu', 'block_grad_norm', 'block_act_rms'):
+        assert key in last
+    assert len(last['block_grad_norm']) == 2 and len(last['block_act_rms']) == 2
+    summary = json.loads((out / 'summary.json').read_text())
+    assert summary['finished'] and summary['iter'] == 30 and summary['val_loss'] == val[-1]
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert not any(k.startswith('_orig_mod.') for k in ckpt['model'])
+    assert ckpt['iter_num'] == 30 and ckpt['model_args']['residual'] == residual
+
+
+def test_resume_is_bit_identical(data_dir, tmp_path):
+    common = [*TINY, f'--data_dir={data_dir}', '--residual=attnres', '--max_iters=16', '--eval_interval=5']
+    train(*common, f'--out_dir={tmp_path / "a"}')
+    train(*common, f'--out_dir={tmp_path / "b"}', '--stop_iter=7')
+    assert not (tmp_path / 'b' / 'summary.json').exists()
+    assert max(i for i, _ in train_losses(tmp_path / 'b')) == 7
+    train(*common, f'--out_dir={tmp_path / "b"}', '--init_from=resume')
+    a, b = train_losses(tmp_path / 'a'), train_losses(tmp_path / 'b')
+    assert a == b  # exact float equality, every iteration
+    va = [m['val_loss'] for m in metrics(tmp_path / 'a') if 'val_loss' in m]
+    vb = [m['val_loss'] for m in metrics(tmp_path / 'b') if 'val_loss' in m]
+    assert va == vb
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_accumulation(data_dir, tmp_path):
+    """2 gloo processes x 1 micro-step == 1 process x 2 micro-steps (same batches, averaged gradients)."""
+    common = [*TINY, f'--data_dir={data_dir}', '--max_iters=6', '--eval_interval=100']
+    train(*common, f'--out_dir={tmp_path / "single"}')
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                        'train.py', *common, f'--out_dir={tmp_path / "ddp"}'],
+                       cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    single, ddp = train_losses(tmp_path / 'single'), train_losses(tmp_path / 'ddp')
+    assert [i for i, _ in single] == [i for i, _ in ddp]
+    np.testing.assert_allclose([l for _, l in ddp], [l for _, l in single], rtol=1e-5)
+    assert single[-1][1] < single[0][1]
+
+
+def one_line_error(r, *needles):
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error:'), r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
+    one_line_error(train('--n_layr=3', check=False), 'n_layer')
+    one_line_error(train('--device=cpu', f'--data_dir={tmp_path}', check=False), 'train.bin', 'prepare')
+    one_line_error(train('--device=cpu', f'--data_dir={data_dir}', '--n_embd=100', '--n_head=16', check=False),
+                   'not divisible by n_head')
+    one_line_error(train('--device=cpu', '--dtype=float16', f'--data_dir={data_dir}', check=False), 'float32')
+    out = tmp_path / 'trunc'
+    train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=1')
+    data = (out / 'ckpt.pt').read_bytes()
+    (out / 'ckpt.pt').write_bytes(data[:len(data) // 2])
+    one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--init_from=resume', check=False),
+                   'truncated', 'init_from=scratch')
+    one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "none"}', '--init_from=resume',
+                         check=False), 'does not exist')
+
+
+def test_nonfinite_loss_stops_with_diagnostic_checkpoint(data_dir, tmp_path):
+    out = tmp_path / 'nan'
+    r = train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=20', '--learning_rate=1e30',
+              '--grad_clip=0', check=False)
+    one_line_error(r, 'non-finite', 'learning_rate')
+    assert (out / 'ckpt_nonfinite.pt').exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED / 'c4_sample_1000.jsonl.gz').exists(), reason='../shared/data not present')
+def test_real_web_text(tmp_path):
+    """Prepare the real C4 sample with GPT-2 BPE and train a small AttnRes model on it."""
+    data = tmp_path / 'c4'
+    r = subprocess.run([sys.executable, 'data/fineweb_edu/prepare.py', '--input', str(SHARED / 'c4_sample_1000.jsonl.gz'),
+                        '--out_dir', str(data), '--num_proc', '1'], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / 'out'
+    train('--device=cpu', '--compile=False', f'--data_dir={data}', f'--out_dir={out}', '--residual=attnres',
+          '--n_layer=2', '--n_embd=64', '--n_head=4', '--block_size=64', '--batch_size=8',
+          '--gradient_accumulation_steps=1', '--max_iters=60', '--eval_interval=60', '--learning_rate=3e-3', '--eval_iters=4', '--log_interval=10')
+    val = [m['val_loss'] for m in metrics(out) if 'val_loss' in m]
+    assert val[0] == pytest.approx(np.log(50280), abs=0.3)
+    assert val[-1] < val[0] - 2.0  # from ln(50280) = 10.8 to below ~8.8 in 30k tokens

@@ -1,0 +1,469 @@
+"""
+Pre-training of one DepthBench model (DESIGN §6): a flat, commented script in the
+spirit of nanoGPT. Every setting below is a module-level global; config files and
+`--key=value` overrides replace them (configurator.py); `python train.py --help`
+lists them all.
+
+One GPU (or the CPU):
+$ python train.py config/attnres_L32.py
+Quick CPU run (a few minutes on 2 cores):
+$ python train.py config/cpu_attnres.py
+One node, 8 GPUs (DDP):
+$ torchrun --standalone --nproc_per_node=8 train.py config/attnres_L32.py
+Two nodes of 8 GPUs, on the first (master) node, IP 123.456.123.456:
+$ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=123.456.123.456 --master_port=1234 train.py config/attnres_L32.py
+and on the worker node the same with --node_rank=1.
+(If the nodes have no Infiniband interconnect, prepend NCCL_IB_DISABLE=1.)
+Continue an interrupted run exactly where it stopped:
+$ python train.py config/attnres_L32.py --init_from=resume
+
+Outputs in out_dir: ckpt.pt (latest checkpoint, written atomically), metrics.jsonl
+(one JSON object per log step), summary.json (written when the run finishes).
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from configurator import ConfigError, comments_from_source, configure
+from model import GPT, GPTConfig, estimate_mfu
+from residuals import RESIDUALS
+
+# -----------------------------------------------------------------------------
+# default config values: a small Pre-LN model on FineWeb-Edu
+# I/O
+out_dir = 'out'  # checkpoint, metrics.jsonl and summary.json go here
+eval_interval = 200  # evaluate on the held-out split (and checkpoint) every this many iterations
+log_interval = 10  # console + metrics.jsonl line every this many iterations
+eval_iters = 50  # batches per evaluation
+eval_only = False  # evaluate once and exit
+init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+stop_iter = None  # stop (with a checkpoint) after this iteration without changing the schedule
+# data
+dataset = 'fineweb_edu'  # reads data/<dataset>/train.bin, val.bin, meta.json
+data_dir = None  # a directory with train.bin/val.bin/meta.json to use instead of data/<dataset>
+gradient_accumulation_steps = 8  # micro-steps per optimizer step, over all processes
+batch_size = 8  # micro-batch size (sequences) per process
+block_size = 1024  # sequence length T
+# model (DESIGN §3, §4)
+residual = 'preln'  # residual scheme, one of residuals.RESIDUALS
+n_layer = 12  # L blocks
+n_head = 16  # query heads
+n_kv_head = None  # key/value heads (GQA); None = n_head
+n_embd = 768  # d
+ffn_hidden = None  # SwiGLU width; None = 16 * ceil(8d/3 / 16)
+vocab_size = None  # None = from data/<dataset>/meta.json (50280 for GPT-2 BPE)
+hc_streams = 4  # HC/mHC streams m
+hc_out_init_scale = False  # HC/mHC: divide attn-out and MLP-down init by sqrt(m)
+mhc_sinkhorn_iters = 20  # mHC Sinkhorn-Knopp iterations
+mhc_init = 'gap8'  # mHC init: 'gap8' or 'uniform'
+attnres_blocks = 8  # Block AttnRes: number of blocks
+# adamw optimizer (DESIGN §6)
+learning_rate = None  # peak LR; None = the scheme's (2e-3; DeepNorm 1e-3; LNS 1e-2)
+max_iters = None  # optimizer steps; None = tokens_per_param x parameters / tokens per step
+tokens_per_param = 20.0  # token budget when max_iters is None
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip the global gradient norm at this value; 0 disables
+# learning rate schedule: linear warmup, then cosine to min_lr_frac x peak
+warmup_iters = None  # None = warmup_frac x max_iters
+warmup_frac = 0.1
+min_lr_frac = 0.1
+# system
+device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps'
+dtype = None  # None = bfloat16 autocast on CUDA, float32 elsewhere; 'float32', 'bfloat16', 'float16'
+compile = None  # torch.compile the model; None = on for CUDA, off elsewhere
+fsdp = False  # shard parameters with FSDP2 (fully_shard) instead of DDP under torchrun
+backend = None  # torch.distributed backend; None = nccl on CUDA, gloo on CPU
+seed = 1337
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
+try:
+    configure(globals(), config_keys, sys.argv[1:], help_text=comments_from_source(__file__))
+except ConfigError as e:
+    sys.exit(f"error: {e}")
+config = {k: globals()[k] for k in config_keys}  # saved in checkpoints and summary.json
+
+
+def fail(msg):
+    """A user error: one line, no traceback."""
+    sys.exit(f"error: {msg}")
+
+
+# -----------------------------------------------------------------------------
+# distributed set-up and devices
+
+ddp = int(os.environ.get('RANK', -1)) != -1  # launched by torchrun?
+if ddp:
+    rank, local_rank, world_size = int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), int(os.environ['WORLD_SIZE'])
+    if device.startswith('cuda'):
+        device = f'cuda:{local_rank}'
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend or ('nccl' if device.startswith('cuda') else 'gloo'))
+    master = rank == 0
+    if gradient_accumulation_steps % world_size:
+        fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the "
+             f"{world_size} processes: use a multiple of {world_size}")
+    gradient_accumulation_steps //= world_size
+else:
+    rank, local_rank, world_size, master = 0, 0, 1, True
+device_type = 'cuda' if device.startswith('cuda') else device.split(':')[0]
+if device_type == 'cuda' and not torch.cuda.is_available():
+    fail(f"device={device!r} but CUDA is not available here: use --device=cpu")
+if dtype is None:
+    dtype = 'bfloat16' if device_type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
+if dtype not in ('float32', 'bfloat16', 'float16'):
+    fail(f"dtype={dtype!r}: use float32, bfloat16 or float16")
+if device_type != 'cuda' and dtype != 'float32':
+    fail(f"dtype={dtype!r} autocast is for CUDA only; on {device_type} use --dtype=float32")
+if compile is None:
+    compile = device_type == 'cuda'
+if fsdp and not ddp:
+    fail("fsdp=True shards over processes: launch with torchrun (or drop --fsdp=True)")
+
+
+def print0(*args, **kwargs):
+    if master:
+        print(*args, **kwargs, flush=True)
+
+
+torch.manual_seed(seed)  # the same initial weights on every rank
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.backends.cudnn.allow_tf32 = True
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+# -----------------------------------------------------------------------------
+# data: uint16 token files of data/<dataset>/prepare.py
+
+
+class TokenLoader:
+    """Concat-and-chunk over a flat uint16 token file: the stream is cut into
+    len // (T+1) chunks of T+1 tokens (x = chunk[:-1], y = chunk[1:]); each epoch visits
+    them in a permutation seeded by (seed, epoch). Micro-step s of the whole job uses
+    chunks [s*world*B, (s+1)*world*B) of the permutation, rank r the r-th group of B, so
+    2 processes x 1 micro-step see exactly the batches of 1 process x 2 micro-steps.
+    The state (epoch, micro-step) is saved in checkpoints for an exact resume."""
+
+    def __init__(self, path, B, T, rank=0, world=1, seed=0, shuffle=True):
+        if not os.path.exists(path):
+            fail(f"{path} not found: prepare the data first, e.g. "
+                 f"python data/fineweb_edu/prepare.py --input YOUR_SHARDS (see README)")
+        self.data = np.memmap(path, dtype=np.uint16, mode='r')
+        self.B, self.T, self.rank, self.world, self.seed, self.shuffle = B, T, rank, world, seed, shuffle
+        self.n_chunks = len(self.data) // (T + 1)
+        if self.n_chunks < B * world:
+            fail(f"{path} has {len(self.data):,} tokens, fewer than one batch of {B * world} x {T + 1}: "
+                 f"prepare more data or lower batch_size/block_size")
+        self.epoch, self.step, self._perm = 0, 0, None
+
+    def perm(self):
+        if self._perm is None or self._perm[0] != self.epoch:
+            p = np.random.default_rng((self.seed, self.epoch)).permutation(self.n_chunks) if self.shuffle \
+                else np.arange(self.n_chunks)
+            self._perm = (self.epoch, p)
+        return self._perm[1]
+
+    def next_batch(self):
+        per_step = self.B * self.world
+        if (self.step + 1) * per_step > self.n_chunks:  # epoch exhausted: reshuffle
+            self.epoch, self.step = self.epoch + 1, 0
+        start = self.step * per_step + self.rank * self.B
+        ids = self.perm()[start:start + self.B]
+        self.step += 1
+        chunks = np.stack([self.data[i * (self.T + 1):(i + 1) * (self.T + 1)] for i in ids]).astype(np.int64)
+        xy = torch.from_numpy(chunks)  # (B, T+1)
+        x, y = xy[:, :-1], xy[:, 1:]
+        if device_type == 'cuda':  # pin, then copy asynchronously
+            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x.to(device), y.to(device)
+
+    def state_dict(self):
+        return {'epoch': self.epoch, 'step': self.step}
+
+    def load_state_dict(self, s):
+        self.epoch, self.step = s['epoch'], s['step']
+
+
+if data_dir is None:
+    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+meta_path = os.path.join(data_dir, 'meta.json')
+meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+train_loader = TokenLoader(os.path.join(data_dir, 'train.bin'), batch_size, block_size, rank, world_size, seed)
+val_path = os.path.join(data_dir, 'val.bin')
+if not os.path.exists(val_path):
+    fail(f"{val_path} not found: prepare the data first (see README)")
+if len(np.memmap(val_path, dtype=np.uint16, mode='r')) < block_size + 1:
+    fail(f"{val_path} holds fewer than block_size+1 = {block_size + 1} tokens: lower --block_size or prepare more validation data")
+if vocab_size is None:
+    vocab_size = meta.get('vocab_size', 50280)
+
+# -----------------------------------------------------------------------------
+# model, optimizer, resume
+
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+checkpoint = None
+if init_from == 'resume':
+    if not os.path.exists(ckpt_path):
+        fail(f"init_from='resume' but {ckpt_path} does not exist: start with --init_from=scratch")
+    try:
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        fail(f"cannot read checkpoint {ckpt_path} (truncated or corrupt: {type(e).__name__}): "
+             f"restore a good copy or start fresh with --init_from=scratch")
+    model_args = checkpoint['model_args']
+elif init_from == 'scratch':
+    if residual not in RESIDUALS:
+        fail(f"unknown residual={residual!r}; known: {', '.join(RESIDUALS)}")
+    try:
+        model_args = asdict(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                                      n_kv_head=n_kv_head, n_embd=n_embd, ffn_hidden=ffn_hidden, residual=residual,
+                                      hc_streams=hc_streams, hc_out_init_scale=hc_out_init_scale,
+                                      mhc_sinkhorn_iters=mhc_sinkhorn_iters, mhc_init=mhc_init,
+                                      attnres_blocks=attnres_blocks))
+    except ValueError as e:
+        fail(str(e))
+else:
+    fail(f"init_from={init_from!r}: use 'scratch' or 'resume'")
+try:
+    model = GPT(GPTConfig(**model_args))
+except ValueError as e:
+    fail(str(e))
+if checkpoint is not None:
+    model.load_state_dict(checkpoint['model'])
+model.to(device)
+raw_model = model  # the uncompiled, unwrapped module: what checkpoints and probes see
+n_params = model.num_params()
+
+if learning_rate is None:
+    learning_rate = RESIDUALS[model.config.residual].peak_lr
+tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * block_size
+if max_iters is None:
+    max_iters = max(1, math.ceil(tokens_per_param * n_params / tokens_per_iter))
+if warmup_iters is None:
+    warmup_iters = int(warmup_frac * max_iters)
+print0(f"model: {model.config.residual}, L={model.config.n_layer}, d={model.config.n_embd}, "
+       f"{n_params:,} parameters ({model.num_params(non_embedding=True):,} without the embedding)")
+print0(f"tokens per iteration: {gradient_accumulation_steps} accum x {world_size} procs x {batch_size} seqs x "
+       f"{block_size} tokens = {tokens_per_iter:,}; {max_iters:,} iterations = {max_iters * tokens_per_iter:,} tokens "
+       f"({max_iters * tokens_per_iter / n_params:.1f} per parameter)")
+print0(f"peak lr {learning_rate:g}, warmup {warmup_iters} iters, cosine to {min_lr_frac:g} x peak; "
+       f"device {device}, dtype {dtype}, compile {compile}")
+
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), 1e-8, device_type)
+iter_num, best_val_loss = 0, float('inf')
+if checkpoint is not None:
+    optimizer.load_state_dict(checkpoint['optimizer'])
+    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+    train_loader.load_state_dict(checkpoint['loader'])
+    torch.set_rng_state(checkpoint['rng']['torch'])
+    if device_type == 'cuda' and 'cuda' in checkpoint['rng']:
+        torch.cuda.set_rng_state(checkpoint['rng']['cuda'])
+    print0(f"resumed from {ckpt_path} at iteration {iter_num}")
+    checkpoint = None  # free memory
+resumed_at = iter_num if init_from == 'resume' else None  # no second evaluation of the same state
+
+if compile:
+    print0("compiling the model (takes a minute)...")
+    model = torch.compile(model)
+if fsdp:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
+    for blk in raw_model.blocks:
+        fully_shard(blk, mp_policy=mp)
+    fully_shard(raw_model, mp_policy=mp)
+    autocast = nullcontext()  # FSDP2 casts the parameters itself
+elif ddp:
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+
+# -----------------------------------------------------------------------------
+# helpers
+
+
+def get_lr(it):
+    """Linear warmup over warmup_iters, then cosine decay to min_lr_frac x peak at max_iters (DESIGN §6)."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    progress = min(1.0, (it - warmup_iters) / max(1, max_iters - warmup_iters))
+    return learning_rate * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def estimate_val_loss():
+    """Mean next-token cross-entropy (nats) over the first eval_iters x batch_size chunks
+    of val.bin (the same chunks every time; fewer if val.bin is smaller), over all ranks."""
+    model.eval()
+    loader = TokenLoader(val_path, batch_size, block_size, rank, world_size, shuffle=False)
+    n = min(eval_iters, loader.n_chunks // (batch_size * world_size))
+    total = torch.zeros(2, device=device)
+    for _ in range(n):
+        x, y = loader.next_batch()
+        with autocast:
+            _, loss = model(x, y)
+        total += torch.stack([loss.float() * y.numel(), torch.tensor(float(y.numel()), device=device)])
+    if ddp:
+        dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def full_state(what):
+    """State dict of the model or optimizer as plain tensors (gathered when sharded by FSDP)."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(raw_model, options=opts) if what == 'model' else \
+            get_optimizer_state_dict(raw_model, optimizer, options=opts)
+    return raw_model.state_dict() if what == 'model' else optimizer.state_dict()
+
+
+def save_checkpoint(path):
+    """Everything needed to continue exactly: weights (of the uncompiled module, so no
+    `_orig_mod.` prefixes), optimizer, model and run config, iteration, data-loader
+    position and RNG states. Written to a temp file and renamed: a crash mid-write never
+    leaves a truncated checkpoint behind."""
+    model_state, opt_state = full_state('model'), full_state('optimizer')  # collective under FSDP
+    if not master:
+        return
+    rng = {'torch': torch.get_rng_state()}
+    if device_type == 'cuda':
+        rng['cuda'] = torch.cuda.get_rng_state()
+    ckpt = {'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config),
+            'config': config, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
+            'loader': train_loader.state_dict(), 'rng': rng}
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    tmp = path + '.tmp'
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)
+
+
+def block_stats(x):
+    """Per-block depth health (DESIGN §7, practitioners' signals): the gradient norm of each
+    block's parameters (branches + the scheme's block parameters) and the RMS of each
+    block's probe state on micro-batch x."""
+    if fsdp:  # sharded gradients: a global view would need collectives; skip
+        return {}
+    grads = []
+    for b in range(raw_model.config.n_layer):
+        params = list(raw_model.blocks[b].parameters())
+        if hasattr(raw_model.residual, 'layers'):
+            params += list(raw_model.residual.layers[b].parameters())
+        g = [p.grad.float().norm() for p in params if p.grad is not None]
+        grads.append(torch.stack(g).norm().item() if g else 0.0)
+    record = []
+    with torch.no_grad(), autocast:
+        raw_model.hidden(x[:2], record=record)
+    rms = [z.float().pow(2).mean().sqrt().item() for z, _ in record[1:]]
+    return {'block_grad_norm': grads, 'block_act_rms': rms}
+
+
+metrics_file = None
+if master:
+    os.makedirs(out_dir, exist_ok=True)
+    metrics_file = open(os.path.join(out_dir, 'metrics.jsonl'), 'a')  # appended to on resume
+
+
+def log_metrics(row):
+    if metrics_file is not None:
+        metrics_file.write(json.dumps(row) + '\n')
+        metrics_file.flush()
+
+
+# -----------------------------------------------------------------------------
+# training loop
+
+if eval_only:
+    print0(f"val loss {estimate_val_loss():.4f}")
+    sys.exit(0)
+
+model.train()
+t0 = time.time()
+val_loss = lossf = None
+while True:
+    lr = get_lr(iter_num)
+    for group in optimizer.param_groups:
+        group['lr'] = lr
+
+    # evaluate and checkpoint (state *before* iteration iter_num; a resume starts here)
+    if (iter_num % eval_interval == 0 and iter_num != resumed_at) or iter_num == max_iters:
+        val_loss = estimate_val_loss()
+        best_val_loss = min(best_val_loss, val_loss)
+        print0(f"iter {iter_num}: val loss {val_loss:.4f}")
+        log_metrics({'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'val_loss': val_loss, 'lr': lr})
+        if iter_num > 0:
+            save_checkpoint(ckpt_path)
+        t0 = time.time()  # evaluation time is not training time
+    if iter_num == max_iters:
+        break
+
+    # forward, backward, update, with gradient accumulation
+    loss_sum = torch.zeros((), device=device)
+    for micro_step in range(gradient_accumulation_steps):
+        x, y = train_loader.next_batch()
+        if ddp and not fsdp:  # all-reduce the gradients only on the last micro-step
+            model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
+        with autocast:
+            _, loss = model(x, y)
+            loss = loss / gradient_accumulation_steps
+        loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+    if hasattr(grad_norm, 'full_tensor'):  # a DTensor under FSDP
+        grad_norm = grad_norm.full_tensor()
+    log_step = (iter_num + 1) % log_interval == 0 or iter_num + 1 == max_iters
+    stats = block_stats(x) if log_step and master else {}
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    if ddp:
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+    lossf = loss_sum.item()  # a CPU-GPU sync point, once per optimizer step
+    if not math.isfinite(lossf):
+        iter_num += 1
+        save_checkpoint(os.path.join(out_dir, 'ckpt_nonfinite.pt'))
+        fail(f"non-finite training loss {lossf} at iteration {iter_num}; state saved to "
+             f"{out_dir}/ckpt_nonfinite.pt. Lower --learning_rate (now {learning_rate:g}) or resume "
+             f"from the last good {ckpt_path} with --init_from=resume")
+    iter_num += 1
+    t1 = time.time()
+    dt, t0 = t1 - t0, t1
+    if log_step:
+        tokens_per_s = tokens_per_iter / dt
+        mfu = estimate_mfu(raw_model, tokens_per_s, block_size, device, world_size)
+        row = {'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'train_loss': lossf, 'lr': lr,
+               'grad_norm': grad_norm.item(), 'dt_ms': dt * 1000, 'tokens_per_s': tokens_per_s, 'mfu': mfu, **stats}
+        eta = dt * (max_iters - iter_num)
+        depth = ''
+        if stats:
+            g = stats['block_grad_norm']
+            depth = f" | grad first/last {g[0] / max(g[-1], 1e-12):.2f}"
+        print0(f"iter {iter_num}/{max_iters} | loss {lossf:.4f} | lr {lr:.2e} | gnorm {row['grad_norm']:.2f} | "
+               f"{dt * 1000:.0f}ms | {tokens_per_s:,.0f} tok/s" + (f" | mfu {mfu * 100:.1f}%" if mfu else '')
+               + depth + f" | eta {eta / 60:.1f}m")
+        log_metrics(row)
+    if stop_iter is not None and iter_num >= stop_iter and iter_num < max_iters:
+        save_checkpoint(ckpt_path)
+        print0(f"stopped at iteration {iter_num} (stop_iter); continue with --init_from=resume")
+        break
+
+if iter_num == max_iters and master:
+    summary = {'finished': True, 'iter': iter_num, 'max_iters': max_iters, 'val_loss': val_loss,
+               'best_val_loss': best_val_loss, 'train_loss': lossf,
+               'n_params': n_params, 'tokens': iter_num * tokens_per_iter, 'config': config,
+               'model_args': asdict(raw_model.config)}
+    with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
+        json.dump(summary, f, indent=1)
+    print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens")
+if ddp:
+    dist.destroy_process_group()
