@@ -94,7 +94,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+        return F.rms_norm(x, (x.size(-1),), self.weight.to(x.dtype), self.eps)  # one dtype: the fused kernel
 
     def reset_parameters(self):
         nn.init.ones_(self.weight)

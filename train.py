@@ -260,10 +260,25 @@ print0(f"tokens per iteration: {gradient_accumulation_steps} accum x {world_size
 print0(f"peak lr {learning_rate:g}, warmup {warmup_iters} iters, cosine to {min_lr_frac:g} x peak; "
        f"device {device}, dtype {dtype}, compile {compile}")
 
-optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), 1e-8, device_type)
+if fsdp:  # shard before the optimizer is built: FSDP2 replaces the parameters by DTensors
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    mp = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
+    for blk in raw_model.blocks:  # the schemes call the branches, not Block.forward: shard each branch
+        for branch in (blk.attn, blk.mlp):
+            fully_shard(branch, mp_policy=mp)
+        for method in ('qkv', 'out'):  # called directly by schemes that extend attention (MoDA)
+            register_fsdp_forward_method(blk.attn, method)
+    fully_shard(raw_model, mp_policy=mp)
+    autocast = nullcontext()  # FSDP2 casts the parameters itself
+optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), 1e-8, device_type)
 iter_num, best_val_loss = 0, float('inf')
 if checkpoint is not None:
-    optimizer.load_state_dict(checkpoint['optimizer'])
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(raw_model, optimizer, checkpoint['optimizer'],
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(checkpoint['optimizer'])
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
     train_loader.load_state_dict(checkpoint['loader'])
     torch.set_rng_state(checkpoint['rng']['torch'])
@@ -276,14 +291,7 @@ resumed_at = iter_num if init_from == 'resume' else None  # no second evaluation
 if compile:
     print0("compiling the model (takes a minute)...")
     model = torch.compile(model)
-if fsdp:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
-    for blk in raw_model.blocks:
-        fully_shard(blk, mp_policy=mp)
-    fully_shard(raw_model, mp_policy=mp)
-    autocast = nullcontext()  # FSDP2 casts the parameters itself
-elif ddp:
+if ddp and not fsdp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 
 # -----------------------------------------------------------------------------

@@ -394,7 +394,7 @@ def test_blockattnres_trace_follows_the_boundary_rule(blocks):
     with model.residual.trace() as tape:
         model(tokens())
     # reads k = 1 .. 2L (k = 2L: the final aggregator, recorded as block L, sublayer 0)
-    assert [(r['block'], r['sublayer']) for r in tape] == [((k + 1) // 2, k % 2) for k in range(1, 2 * L + 1)]
+    assert [(r['block'], r['sublayer']) for r in tape] == [(k // 2, k % 2) for k in range(1, 2 * L + 1)]
     for k, r in zip(range(1, 2 * L + 1), tape):
         n = 1 + k // S + (k % S != 0)  # embedding, frozen blocks, the running partial sum
         assert r['weights'].shape == (n, 2, 16)

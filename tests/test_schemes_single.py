@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import GPT, GPTConfig, apply_rope  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 from residuals import RESIDUALS, depth_attention  # noqa: E402
 
 SCHEMES = ('sandwich', 'lns', 'deepnorm', 'keel', 'moda', 'postln', 'rezero', 'layerscale', 'resdual')

@@ -85,13 +85,15 @@ def test_resume_is_bit_identical(data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_equal_accumulation(data_dir, tmp_path):
-    """2 gloo processes x 1 micro-step == 1 process x 2 micro-steps (same batches, averaged gradients)."""
+@pytest.mark.parametrize('sharding', ['--fsdp=False', '--fsdp=True'])
+def test_ddp_two_processes_equal_accumulation(sharding, data_dir, tmp_path):
+    """2 gloo processes x 1 micro-step == 1 process x 2 micro-steps (same batches, averaged
+    gradients), with DDP and with FSDP2 (fully_shard)."""
     common = [*TINY, f'--data_dir={data_dir}', '--max_iters=6', '--eval_interval=100']
     train(*common, f'--out_dir={tmp_path / "single"}')
     env = dict(os.environ, OMP_NUM_THREADS='1')
     r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                        'train.py', *common, f'--out_dir={tmp_path / "ddp"}'],
+                        'train.py', *common, sharding, f'--out_dir={tmp_path / "ddp"}'],
                        cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     single, ddp = train_losses(tmp_path / 'single'), train_losses(tmp_path / 'ddp')
