@@ -310,6 +310,8 @@ class LNS(PreLN):
     block when an order moves it (probes.md §3, the study's release). The final norm is
     unscaled. No parameters beyond Pre-LN's: with L = 1 it is Pre-LN."""
 
+    peak_lr = 1e-2  # DESIGN §6
+
     def sublayer(self, h, b, j, f):
         scale = 1.0 / math.sqrt(b + 1)
         return super().sublayer(h, b, j, lambda x: f(x * scale))
@@ -349,6 +351,8 @@ class DeepNorm(PostLN):
     projections of attention and all three SwiGLU matrices are multiplied by
     beta = (8L)^(-1/4) after the default init, so their std is beta * init_std; the query
     and key projections keep init_std."""
+
+    peak_lr = 1e-3  # DESIGN §6: at 2e-3 it diverged in the study
 
     def __init__(self, cfg):
         super().__init__(cfg)
