@@ -9,9 +9,11 @@ speed-up.
     python bench_probe.py --val_bin=data/fineweb_edu/val.bin --n_windows=12 --seq_len=256
 
 Swapping blocks i < j leaves blocks 0..i-1 unchanged, so over all pairs the block work falls
-to sum(L - i) / sum(L) ~ 2/3 of the naive cost (L = 12: 0.69); skipping block s costs L - s
-blocks instead of L (causal scan ~ 1/2). The LM head runs for every variant in both cases, so
-the measured speed-up is below the block-work ratio when the vocabulary is large.
+to sum(L - i) / sum(L) ~ 2/3 of the naive cost (L = 12: 0.72, a 1.38x speed-up); skipping
+block s costs L - s blocks instead of L (causal scan, L = 12: 1.71x). The LM head and the loss
+run for every variant in both cases, so the measured speed-up stays below the block-work
+ratio; the default vocabulary is small so that, as at the study's widths (L=32, d=896,
+V=50,280: blocks ~7x the head per token), the blocks dominate.
 """
 
 import argparse
@@ -40,7 +42,7 @@ def main(argv=None):
     p.add_argument('--n_layer', type=int, default=12)
     p.add_argument('--n_embd', type=int, default=256)
     p.add_argument('--n_head', type=int, default=4)
-    p.add_argument('--vocab_size', type=int, default=50280)
+    p.add_argument('--vocab_size', type=int, default=4096, help="small: blocks dominate, as at the study's sizes")
     p.add_argument('--n_windows', type=int, default=4)
     p.add_argument('--seq_len', type=int, default=128)
     p.add_argument('--batch_size', type=int, default=4)
@@ -83,5 +85,7 @@ def main(argv=None):
 if __name__ == '__main__':
     main()
 
-# On the 2-core CPU machine (preln, L=12, d=256, V=50,280, 4 x 128 tokens):
-# see the README paragraph for the numbers printed by this script.
+# On a busy 2-core CPU (OMP_NUM_THREADS=1, preln, L=12, d=256, V=2,048, 4 x 128 tokens) it printed
+# permutation  prefix reuse    15.84 s   naive re-run    20.36 s   speed-up  1.29x (block-work ratio 1.38x)
+# causal       prefix reuse     1.35 s   naive re-run     2.49 s   speed-up  1.84x (block-work ratio 1.71x)
+# with max |diff| 0.0e+00 for both (the same operations on the same states).

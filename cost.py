@@ -23,12 +23,19 @@ elementwise work are not counted, as in the paper):
   - flop_check() counts what the code executes: the full T×T attention (4T²d) and the
     LM head on all T positions;
   - KV cache: keys and values of every layer for a T-token sequence, bf16 (2 bytes);
-    MB = 1e6 bytes, GB = 1e9 bytes.
+    MB = 1e6 bytes, GB = 1e9 bytes. MoDA's adds the per-token depth buffer (2L slots) a
+    prefill holds; decoding keeps none of it (kv_cache_bytes(..., decode=True));
+  - Block AttnRes: the table uses the paper's Appendix D source count; the model reads
+    N - 1 = 7 sources fewer (blockattnres_sources, appendix_d=False);
+  - measured prefill: blocks on all T tokens, LM head on the last position, median of
+    synchronised passes; peak memory = CUDA max_memory_allocated, or on the CPU the
+    peak RSS of a fresh subprocess per config above its RSS before the model was built.
 """
 
 import argparse
 import itertools
 import json
+import math
 import os
 import resource
 import statistics
@@ -48,10 +55,11 @@ STUDY_SCHEMES = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'a
 EXTRA_SCHEMES = ('postln', 'rezero', 'layerscale', 'resdual')
 # schemes whose wiring is only norms, gains and adds: no matrix products beyond the backbone
 ELEMENTWISE_SCHEMES = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'postln', 'rezero', 'layerscale', 'resdual')
-# terms of extra_flop_terms() that are weighted sums / outer products over the m streams;
-# an implementation may write them as broadcast multiplies + sums, which FlopCounterMode
-# (it counts matrix products only) does not see. Every other term must be a matmul.
-BROADCAST_TERMS = ('read', 'mix', 'write')
+# terms of extra_flop_terms() that are per-token weighted sums, dot products or outer
+# products over a handful of streams / sources: an implementation may write them as
+# broadcast multiplies and sums, which FlopCounterMode (it counts matrix products) does not
+# see. The other terms ('dynamic', 'depth_kv_proj') are projections and must be matmuls.
+BROADCAST_TERMS = ('read', 'mix', 'write', 'depth_scores', 'depth_values')
 
 # -----------------------------------------------------------------------------
 # analytic FLOPs (DESIGN §8, Appendix D)
@@ -66,24 +74,37 @@ def _heads(n_embd, n_head, n_kv_head):
     return n_embd // n_head, n_kv_head
 
 
-def blockattnres_sources(n_layer, attnres_blocks=8):
+def blockattnres_sources(n_layer, attnres_blocks=8, appendix_d=True):
     """
-    Number of sources each Block AttnRes read mixes, under the paper's Appendix D count:
-    sublayer k = 1..2L-1 (0-based; block 0's attention reads the embedding directly)
-    reads the embedding, the floor(k / S) completed blocks and the running partial sum,
-    2 + floor(k / S) sources with block size S = 2L / attnres_blocks sublayers; the final
-    aggregator reads the embedding and all attnres_blocks blocks. Returns a list of
-    2L ints (the reads in order, final aggregator last). floor(k / S) is computed as
-    floor(k * attnres_blocks / 2L), so S need not be an integer.
-    Note: at a block boundary (k a multiple of S) the running sum has just been frozen;
-    the paper's count still includes a partial-sum source there.
+    Number of sources each Block AttnRes read mixes: a list of 2L ints, the reads of
+    sublayers k = 1..2L-1 (0-based; block 0's attention reads the embedding directly)
+    and the final aggregator last. N = attnres_blocks blocks of S = 2L / N sublayers.
+
+    appendix_d=True, the paper's count (Appendix D, DESIGN §8): sublayer k reads the
+      embedding, the floor(k / S) completed blocks and the running partial sum,
+      2 + floor(k / S) sources; the final aggregator 1 + N. floor(k / S) is computed as
+      floor(k N / 2L), so S need not be an integer (L = 42, 70).
+    appendix_d=False, what residuals.BlockAttnRes reads (schemes.md): at a boundary
+      (k a multiple of S) the partial sum has just been frozen and is empty, so it is not
+      a source: 1 + floor(k / S) + [k mod S != 0]. N - 1 sources fewer in all; S = 1 gives
+      Full AttnRes's L(2L+3). N is capped at 2L and must divide 2L, as in the model.
+    Raises ValueError for attnres_blocks < 1, or (appendix_d=False) N not dividing 2L.
     """
     L2 = 2 * n_layer
-    return [2 + (k * attnres_blocks) // L2 for k in range(1, L2)] + [1 + attnres_blocks]
+    if attnres_blocks < 1:
+        raise ValueError(f"attnres_blocks must be >= 1, got {attnres_blocks}")
+    if appendix_d:
+        return [2 + (k * attnres_blocks) // L2 for k in range(1, L2)] + [1 + attnres_blocks]
+    n_blocks = min(attnres_blocks, L2)
+    if L2 % n_blocks:
+        raise ValueError(f"2*n_layer = {L2} sublayers are not divisible by attnres_blocks = {attnres_blocks}: "
+                         f"use appendix_d=True or a divisor of {L2}")
+    S = L2 // n_blocks
+    return [1 + k // S + (k % S != 0) for k in range(1, L2)] + [1 + n_blocks]
 
 
 def extra_flop_terms(residual, n_layer, n_embd, seq_len, *, n_head=16, n_kv_head=None,
-                     hc_streams=4, attnres_blocks=8):
+                     hc_streams=4, attnres_blocks=8, appendix_d=True):
     """
     The extra forward FLOPs of a residual scheme over Pre-LN for one sequence of T =
     seq_len tokens, split into named terms (dict name -> FLOPs; empty for schemes with
@@ -104,7 +125,9 @@ def extra_flop_terms(residual, n_layer, n_embd, seq_len, *, n_head=16, n_kv_head
       2L+1, in all Σn = L(2L+3):
           ΔF_Full = 4·T·d·L·(2L+3).
     Block AttnRes: the same with the sources of blockattnres_sources() (Appendix D):
-          ΔF_Block = 4Td·[Σ_{k=1}^{2L-1} (2 + floor(k/S)) + attnres_blocks + 1],  S = 2L/8.
+          ΔF_Block = 4Td·[Σ_{k=1}^{2L-1} (2 + floor(k/S)) + attnres_blocks + 1],  S = 2L/8;
+      appendix_d=False counts the sources residuals.BlockAttnRes actually reads, which
+      is 4Td·(attnres_blocks - 1) less (see blockattnres_sources).
     MoDA (schemes.md): attention of block b >= 1 also scores each query against the 2b
       depth slots of its own token and mixes their values: 2·(2b)·d FLOPs each
       (all H query heads, GQA or not), so Σ_{b=1}^{L-1} 8bd = 4·d·L(L-1) per token
@@ -132,7 +155,7 @@ def extra_flop_terms(residual, n_layer, n_embd, seq_len, *, n_head=16, n_kv_head
         return dict(dynamic=per * 2 * m * d * (m * m + 2 * m), read=per * 2 * m * d, mix=per * 2 * m * m * d,
                     write=per * 2 * m * d)
     if residual in ('attnres', 'blockattnres'):
-        n = L * (2 * L + 3) if residual == 'attnres' else sum(blockattnres_sources(L, attnres_blocks))
+        n = L * (2 * L + 3) if residual == 'attnres' else sum(blockattnres_sources(L, attnres_blocks, appendix_d))
         return dict(depth_scores=2 * T * d * n, depth_values=2 * T * d * n)
     if residual == 'moda':
         slots = L * (L - 1)  # Σ_{b=1}^{L-1} 2b depth slots read per token
@@ -149,7 +172,7 @@ def extra_flops(residual, n_layer, n_embd, seq_len, **kw):
     Block AttnRes 4Td·[Σ_{k=1}^{2L-1}(2 + floor(k/b)) + 9] (b = 2L/8), MoDA
     4·T·d·(L-1)·(L + n_kv·hd), every other scheme 0 (norms and elementwise work are not
     counted). The sum of extra_flop_terms(), whose docstring derives every term.
-    Keywords: n_head, n_kv_head, hc_streams, attnres_blocks. Units: FLOPs.
+    Keywords: n_head, n_kv_head, hc_streams, attnres_blocks, appendix_d. Units: FLOPs.
     """
     return sum(extra_flop_terms(residual, n_layer, n_embd, seq_len, **kw).values())
 
@@ -168,7 +191,8 @@ def forward_flops(n_layer, n_embd, seq_len, *, residual='preln', ffn_hidden=None
       paper's count) or 4T²d for 'full' (the whole T×T matrix, what a dense kernel or
       FlopCounterMode under SDPBackend.MATH computes); d = H·hd for GQA too;
     F_head = 2·T·d·V for logits='all', 2·d·V for 'last' (prefill of a generation);
-    ΔF_scheme = extra_flops(residual, ...), with scheme_opts (hc_streams, attnres_blocks).
+    ΔF_scheme = extra_flops(residual, ...), with scheme_opts (hc_streams, attnres_blocks,
+      appendix_d).
 
     For MHA causal: F = L·(8Td² + 6T·d·d_ff + 2T²d) + F_head + ΔF. The defaults
     (logits='last', attention='causal', T = 4096) are the study's prefill convention
@@ -290,11 +314,16 @@ def _dot_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
     return 2 * a_shape[0]
 
 
+def _addcmul_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
+    """aten.addcmul z + a * b: one multiply-add (2 FLOPs) per output element."""
+    return 2 * math.prod(out_shape)
+
+
 def flop_check(config, seq_len, batch=1, device='meta'):
     """
     Counts the FLOPs of one forward pass of GPT(config) on `batch` sequences of seq_len
     tokens with torch.utils.flop_counter.FlopCounterMode, and the analytic count
-    batch · forward_flops(..., attention='full', logits='all').
+    batch · forward_flops(..., attention='full', logits='all', appendix_d=False).
 
     Convention, so that both count the same things:
       - the model is built on `device` (default 'meta': no memory, no arithmetic) and
@@ -304,14 +333,17 @@ def flop_check(config, seq_len, batch=1, device='meta'):
       - attention runs under sdpa_kernel(SDPBackend.MATH): it is then two bmm's over
         the full T×T matrix (4T²d per layer; GQA's k, v are expanded to all H heads),
         which FlopCounterMode sees. With the default CPU kernel it sees no attention;
-      - aten.mv / addmv / dot get formulas (2 FLOPs per multiply-add): FlopCounterMode
-        counts only mm/bmm-like ops, and AttnRes's logits v_i · w are matrix-vector
-        products; einsums with a contraction become bmm and are counted;
-      - the LM head runs on all T positions (logits='all').
-    What it still cannot see: elementwise products, including broadcast weighted sums
-    and outer products (e.g. an HC write beta ⊗ f written as beta[..., None] * f), which
-    the analytic count includes as multiply-adds (BROADCAST_TERMS). Norms, RoPE, softmax
-    are not counted by either.
+      - aten.mv / addmv / dot / addcmul get formulas (2 FLOPs per multiply-add):
+        FlopCounterMode counts only mm/bmm-like ops, while AttnRes's logits v_i · w are
+        matrix-vector products and its weighted sum may be an addcmul loop; einsums with
+        a contraction become bmm and are counted;
+      - the LM head runs on all T positions (logits='all');
+      - Block AttnRes sources are counted as the model reads them (appendix_d=False),
+        N - 1 fewer than the paper's Appendix D count.
+    What it still cannot see: plain elementwise products, including broadcast weighted
+    sums and outer products (e.g. the HC/mHC write beta ⊗ f, written as
+    w[..., None] * y[..., None, :]), which the analytic count includes as multiply-adds
+    (the BROADCAST_TERMS of extra_flop_terms). Norms, RoPE and softmax are counted by neither.
 
     Returns dict(counted=int, analytic=int, missing=analytic - counted, by_op={op: FLOPs},
     terms=extra_flop_terms scaled by batch, device=where it ran). Units: FLOPs.
@@ -326,7 +358,7 @@ def flop_check(config, seq_len, batch=1, device='meta'):
             model = GPT(cfg)
             idx = torch.zeros(batch, seq_len, dtype=torch.long)
         counter = FlopCounterMode(display=False, custom_mapping={
-            aten.mv: _mv_flops, aten.addmv: _addmv_flops, aten.dot: _dot_flops})
+            aten.mv: _mv_flops, aten.addmv: _addmv_flops, aten.dot: _dot_flops, aten.addcmul: _addcmul_flops})
         with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
             model(idx)
         return counter
@@ -339,10 +371,10 @@ def flop_check(config, seq_len, batch=1, device='meta'):
         device = 'cpu'  # scheme code that has no meta kernel (e.g. torch.autocast on 'meta')
         counter = count(device)
     counted = counter.get_total_flops()
-    analytic = batch * config_flops(cfg, seq_len, attention='full', logits='all')
+    analytic = batch * config_flops(cfg, seq_len, attention='full', logits='all', appendix_d=False)
     terms = {k: batch * v for k, v in extra_flop_terms(cfg.residual, cfg.n_layer, cfg.n_embd, seq_len,
                                                         n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
-                                                        **_scheme_opts(cfg)).items()}
+                                                        appendix_d=False, **_scheme_opts(cfg)).items()}
     by_op = {str(k).removeprefix('aten.'): v for k, v in counter.get_flop_counts().get('Global', {}).items()}
     return dict(counted=counted, analytic=analytic, missing=analytic - counted, by_op=by_op, terms=terms,
                 device=device)
@@ -503,7 +535,8 @@ def cost_rows(schemes, shapes, seq_len=4096, logits='last', attention='causal', 
             cfg = GPTConfig(**{**config_kw, **extra}, residual=scheme, n_layer=L, n_embd=d, block_size=seq_len)
             flops = config_flops(cfg, seq_len, logits=logits, attention=attention)
             dF = extra_flops(scheme, L, d, seq_len, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, **_scheme_opts(cfg))
-            rows.append(dict(scheme=scheme, L=L, d=d, ratio=d / L, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
+            rows.append(dict(scheme=scheme, L=L, d=d, ratio=d / L, seq_len=seq_len, n_head=cfg.n_head,
+                             n_kv_head=cfg.n_kv_head,
                              ffn_hidden=cfg.ffn_hidden, params=param_count(cfg), flops=flops, extra_flops=dF,
                              extra_pct=100 * dF / (flops - dF),
                              kv_bytes=kv_cache_bytes(L, d, seq_len, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
@@ -534,6 +567,21 @@ def format_table(rows):
                 cells += [f"{r['latency_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}",
                           '-' if peak is None else f"{peak / 1e9:.2f}", f"{r['hours_per_1B']:.3f}"]
         lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def format_pivot(rows):
+    """Prefill TFLOPs per sequence as a shape x scheme markdown table, with the KV cache (MB)
+    of the schemes without extra cache (the sequence cache, 2·L·T·n_kv·hd·2 bytes)."""
+    schemes = list(dict.fromkeys(r['scheme'] for r in rows))
+    shapes = list(dict.fromkeys((r['L'], r['d']) for r in rows))
+    cell = {(r['scheme'], r['L'], r['d']): r for r in rows}
+    lines = ['| L | d | d/L | ' + ' | '.join(schemes) + ' | KV cache (MB) |', '|' + '---|' * (len(schemes) + 4)]
+    for L, d in shapes:
+        r0 = cell[(schemes[0], L, d)]
+        kv = kv_cache_bytes(L, d, r0['seq_len'], n_head=r0['n_head'], n_kv_head=r0['n_kv_head'], decode=True)
+        lines.append(f"| {L} | {d} | {d / L:.2f} | " + ' | '.join(_num(cell[(s, L, d)]['flops'] / 1e12, 3)
+                                                             for s in schemes) + f" | {_num(kv / 1e6, 0)} |")
     return '\n'.join(lines)
 
 
@@ -570,12 +618,16 @@ def plot(rows, path, losses=None, title=''):
         rows = [dict(r, val_loss=losses.get((r['scheme'], r['L'], r['d']))) for r in rows]
         if any(r['val_loss'] is not None for r in rows):
             panels.append(('val_loss', 1, 'validation loss (nats)'))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     schemes = list(dict.fromkeys(r['scheme'] for r in rows))
     ticks = sorted({(r['ratio'], r['L']) for r in rows})
     styles = itertools.cycle(itertools.product(('-', '--', ':'), 'osd^v'))  # schemes that coincide stay visible
     style = {s: next(styles) for s in schemes}
-    for ax, (key, scale, label) in zip(axes[0], panels):
+    for ax, (key, scale, label) in zip(axes.flat, panels):
         for s in schemes:
             pts = sorted((r['ratio'], r[key] / scale) for r in rows if r['scheme'] == s and r.get(key) is not None)
             if pts:
@@ -648,6 +700,8 @@ def main(argv=None):
                   f"{'the last position' if args.logits == 'last' else 'all positions'}, KV bf16 for one sequence")
     print(f"cost of depth, family {args.family}: {convention}")
     print(format_table(rows))
+    print(f"\nprefill TFLOPs per sequence by shape ({convention}):")
+    print(format_pivot(rows))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'cost.json'), 'w') as f:
         json.dump(dict(family=args.family, seq_len=args.seq_len, logits=args.logits, attention=args.attention,

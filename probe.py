@@ -88,10 +88,8 @@ def load_model(ckpt_path, device='cpu'):
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
         raise ValueError(f"checkpoint {path} lacks 'model' / 'model_args'; save it with train.py")
     cfg = GPTConfig.from_dict(ckpt['model_args'])
-    with torch.device('meta'):  # no wasted init: the weights come from the checkpoint
+    with torch.device(device):  # built where it runs (fast init on a GPU; buffers computed as usual)
         model = GPT(cfg)
-    model.to_empty(device=device)
-    model.init_weights()  # fills the non-persistent RoPE buffers on the target device
     state = {k.removeprefix('_orig_mod.'): v for k, v in ckpt['model'].items()}
     try:
         model.load_state_dict(state)
@@ -312,7 +310,8 @@ def angular_distance(model, windows, batch_size=BATCH_SIZE, progress=False):
         rec = []
         model.hidden(idx, record=rec)
         Z = F.normalize(torch.stack([_flat(p) for p, _ in rec], dim=2).flatten(0, 1), dim=-1, eps=1e-12)  # (N, L+1, D)
-        cos = (Z @ Z.transpose(1, 2)).clamp(-1.0, 1.0)  # (N, L+1, L+1), fp32 as the study
+        with torch.autocast(Z.device.type, enabled=False):  # a bf16 Gram would blur cos near 1
+            cos = (Z @ Z.transpose(1, 2)).clamp(-1.0, 1.0)  # (N, L+1, L+1), fp32 as the study
         total += (torch.arccos(cos) / math.pi).sum(0).double().cpu()
         n_tok += Z.size(0)
     M = (total / n_tok).numpy()
@@ -595,11 +594,12 @@ def logit_lens(model, windows, batch_size=BATCH_SIZE, progress=False):
         rec = []
         h = model.hidden(idx, record=rec)
         logp_f = model.head(h)[:, :-1].float().log_softmax(-1)  # (B, T-1, V)
+        p_f = logp_f.exp()
         top_f = logp_f.topk(5, dim=-1).indices                   # (B, T-1, 5)
         tgt = idx[:, 1:].unsqueeze(-1)                           # (B, T-1, 1)
         for l, (_, r) in enumerate(rec):
             logp = model.head(r)[:, :-1].float().log_softmax(-1)
-            kl[l] += (logp_f.exp() * (logp_f - logp)).sum(-1).sum().item()
+            kl[l] += (p_f * (logp_f - logp)).sum().item()
             ce[l] -= logp.gather(-1, tgt).sum().item()
             top = logp.topk(5, dim=-1).indices
             top5[l] += (top.unsqueeze(-1) == top_f.unsqueeze(-2)).any(-1).sum().item() / 5
@@ -651,12 +651,13 @@ def propagation_stats(model, windows, batch_size=BATCH_SIZE, n_boot=1000, seed=0
 # evaluations (probes.md §4, §8) through evals.py
 
 @torch.no_grad()
-def prune_scan(model, enc, items, batch_size=8, chunk_items=256, progress=False):
+def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     """Single-block pruning on ARC-Easy (Fig. 8 left, probes.md §4): zero-shot accuracy of the
     full model and of the model with each block l skipped (the skip rule of causal_scores),
     scored by evals.arc_easy_accuracy (sum of continuation log-probs; acc_norm per character).
     Items are scored chunk_items at a time; within a chunk the clean states of every batch are
-    kept (PrefixRunner), so skipping block l re-runs only blocks l..L-1.
+    kept (PrefixRunner), so skipping block l re-runs only blocks l..L-1 (memory: L+1 states of
+    every sequence of the chunk; lower chunk_items if it does not fit).
     items: load_task('arc_easy'). Returns {'baseline': {'acc', 'acc_norm'}, 'blocks': [{'block',
     'acc', 'acc_norm', 'delta_acc', 'delta_acc_norm'}], 'metric': 'acc_norm', 'n'}."""
     model.eval()
@@ -786,7 +787,8 @@ def probe_checkpoint(ckpt_path, metrics, args):
                 out[metric] = propagation_stats(model, windows(metric), bs, n_boot=args.n_boot, progress=True)
             elif metric == 'prune':
                 if not (Path(args.eval_dir) / 'arc_easy.jsonl').is_file():
-                    skip(metric, f"no {Path(args.eval_dir) / 'arc_easy.jsonl'}; run `python data/evals/prepare.py --tasks arc_easy`")
+                    skip(metric, f"no {Path(args.eval_dir) / 'arc_easy.jsonl'}; "
+                                 f"run `python data/evals/prepare.py --tasks arc_easy`")
                     continue
                 items = evals.load_task('arc_easy', args.eval_dir)[:args.arc_limit or None]
                 out[metric] = prune_scan(model, get_tokenizer(tok_name), items, batch_size=args.eval_batch_size,
@@ -806,24 +808,33 @@ def probe_checkpoint(ckpt_path, metrics, args):
     return out
 
 
+def _stat(fn, M):
+    # nanmean / nanmax that gives NaN instead of a warning for an all-NaN matrix (L = 1)
+    M = np.asarray(M, dtype=float)
+    return fn(M) if np.isfinite(M).any() else float('nan')
+
+
 def _report(metric, r):
     # one summary line per metric, so a run shows what it found without opening the JSON
     if r is None:
         return
     if metric == 'angular':
-        print(f"angular: mean adjacent-state distance {np.nanmean(r['subsequent'][0]):.4f}, "
+        print(f"angular: mean adjacent-state distance {_stat(np.nanmean, r['subsequent'][0]):.4f}, "
               f"embedding -> last {r['matrix'][0, -1]:.4f} ({r['n_tokens']:,} tokens)")
     elif metric == 'causal':
-        print(f"causal: mean C {np.nanmean(r['C']):.4f}, max {np.nanmax(r['C']) if np.isfinite(r['C']).any() else float('nan'):.4f}")
+        print(f"causal: mean C {_stat(np.nanmean, r['C']):.4f}, max {_stat(np.nanmax, r['C']):.4f}")
     elif metric == 'permutation':
-        print(f"permutation: loss {r['loss']:.4f} nats, mean P {np.nanmean(r['P']):.4f}")
+        print(f"permutation: loss {r['loss']:.4f} nats, mean P {_stat(np.nanmean, r['P']):.4f}")
     elif metric == 'late_pairs':
         fmt = lambda v: 'n/a' if v is None else f"{100 * v:.1f}%"
-        print(f"late pairs (s >= {r['start']}, {r['n_pairs']} pairs): R_causal {fmt(r['R_causal'])}, R_perm {fmt(r['R_perm'])}")
+        print(f"late pairs (s >= {r['start']}, {r['n_pairs']} pairs): "
+              f"R_causal {fmt(r['R_causal'])}, R_perm {fmt(r['R_perm'])}")
     elif metric == 'path_weights':
-        print(f"path_weights: {r['kind']}, readout row {np.round(r['W'][-1], 3).tolist()}")
+        print(f"path_weights: {r['kind']}, readout weight on the embedding {r['W'][-1, 0]:.3f}, "
+              f"mean over sublayer outputs {np.mean(r['W'][-1, 1:]):.3f}")
     elif metric == 'block_weights':
-        print(f"block_weights: dead segment {r['dead_sublayers']} sublayers (< {r['dead_threshold']} on the running sum)")
+        print(f"block_weights: dead segment {r['dead_sublayers']} sublayers "
+              f"(< {r['dead_threshold']} on the running sum)")
     elif metric == 'logit_lens':
         print(f"logit_lens: KL per layer {np.round(r['kl'], 3).tolist()} nats")
     elif metric == 'propagation':
@@ -834,7 +845,8 @@ def _report(metric, r):
         print(f"prune: ARC-Easy acc {r['baseline']['acc']:.4f} acc_norm {r['baseline']['acc_norm']:.4f} (n={r['n']}); "
               f"largest drop: block {worst['block']} ({worst['delta_acc_norm']:+.4f})")
     elif metric == 'domain_nll':
-        print("domain_nll: " + ", ".join(f"{c} {v['nll']:.3f}" for c, v in r['categories'].items() if v['nll'] is not None))
+        cats = r['categories'].items()
+        print("domain_nll: " + ", ".join(f"{c} {v['nll']:.3f} nats/token" for c, v in cats if v['nll'] is not None))
 
 
 def write_results(results, out_dir):

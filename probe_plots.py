@@ -16,6 +16,7 @@ import matplotlib
 matplotlib.use('Agg')  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def _panels(n, width=4.2, height=3.6):
@@ -31,6 +32,11 @@ def _sublayer_labels(L):
     # sources: emb, a0, m0, a1, m1, ...; readers: a0, m0, ..., out (the final readout)
     subs = [f"{'am'[k % 2]}{k // 2}" for k in range(2 * L)]
     return ['emb'] + subs, subs + ['out']
+
+
+def _integer_ticks(ax):
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _with(results, metric):
@@ -51,18 +57,24 @@ def plot_angular(results):
         im = ax.imshow(np.ma.masked_invalid(S), origin='lower', cmap=_cmap('viridis_r'), aspect='auto',
                        extent=(-0.5, L + 0.5, 0.5, L + 0.5), vmin=finite.min(), vmax=finite.max())
         fig.colorbar(im, ax=ax, label='angular distance')
+        _integer_ticks(ax)
         ax.set(xlabel='start layer l (0 = embedding)', ylabel='offset n', title=f"{r['label']}: d(l, l+n)")
     fig.tight_layout()
     return fig
 
 
-def _score_heatmaps(rs, metric, key, title, xlabel, ylabel, ratio_key):
+def _score_heatmaps(rs, metric, key, title, xlabel, ylabel, ratio_key, threshold_key):
+    # one colour scale for all panels, capped at twice the R threshold so that a single
+    # outlier does not turn every other cell black
     fig, axes = _panels(len(rs))
-    vmax = max(np.nanmax(np.asarray(r[metric][key], dtype=float)) for r in rs)
+    top = max(np.nanmax(np.asarray(r[metric][key], dtype=float), initial=0.0) for r in rs)
+    thr = (rs[0].get('late_pairs') or {}).get(threshold_key)
+    vmax = min(top, 2 * thr) if thr else top
     for ax, r in zip(axes, rs):
         M = np.asarray(r[metric][key], dtype=float)
         im = ax.imshow(np.ma.masked_invalid(M), cmap=_cmap('magma'), vmin=0, vmax=vmax if vmax > 0 else 1)
-        fig.colorbar(im, ax=ax)
+        fig.colorbar(im, ax=ax, extend='max' if top > vmax else 'neither')
+        _integer_ticks(ax)
         late = r.get('late_pairs') or {}
         if late.get('start') is not None:  # rows at or below the line form the late pairs
             ax.axhline(late['start'] - 0.5, color='cyan', lw=1, ls='--')
@@ -75,16 +87,18 @@ def _score_heatmaps(rs, metric, key, title, xlabel, ylabel, ratio_key):
 
 def plot_causal(results):
     """Causal score C(s, l) (Eq. 3): y = skipped block s, x = downstream block l; one colour
-    scale shared by all panels; dashed line: start of the late pairs (Eq. 5)."""
+    scale shared by all panels (capped at 2x the R_causal threshold); dashed line: the late
+    pairs (Eq. 5) lie below it."""
     rs = _with(results, 'causal')
     return _score_heatmaps(rs, 'causal', 'C', 'C(s, l)', 'downstream block l', 'skipped block s',
-                           'R_causal') if rs else None
+                           'R_causal', 'causal_threshold') if rs else None
 
 
 def plot_permutation(results):
     """Permutation score P(i, j) (Eq. 4): y = first swapped block i, x = second j; shared scale."""
     rs = _with(results, 'permutation')
-    return _score_heatmaps(rs, 'permutation', 'P', 'P(i, j)', 'block j', 'block i', 'R_perm') if rs else None
+    return _score_heatmaps(rs, 'permutation', 'P', 'P(i, j)', 'block j', 'block i', 'R_perm',
+                           'perm_threshold') if rs else None
 
 
 def plot_late_pairs(results):
@@ -162,6 +176,7 @@ def plot_prune(results):
                 label=f"{r['label']} (full {100 * p['baseline']['acc_norm']:.1f}%)")
     ax.axhline(0, color='grey', lw=0.8)
     ax.set(xlabel='skipped block l', ylabel='delta ARC-Easy acc_norm (points)', title='single-layer pruning')
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
@@ -180,6 +195,8 @@ def plot_logit_lens(results):
     axes[0].set(xlabel='layer l (0 = embedding)', ylabel='KL(p_final || p_l) [nats]', title='LogitLens')
     axes[1].set(xlabel='layer l (0 = embedding)', ylabel='early-exit CE [nats]', title='early exit')
     axes[0].legend(fontsize=7)
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     return fig
 
@@ -194,9 +211,10 @@ def plot_propagation(results):
     for k, key in enumerate(('erank', 'mean_abs_cos')):
         for j, r in enumerate(rs):
             s = r['propagation'][key]
-            axes[k].bar(j, s['mean'], yerr=[[s['mean'] - s['lo']], [s['hi'] - s['mean']]], capsize=4,
+            axes[k].bar(j, s['mean'], 0.6, yerr=[[s['mean'] - s['lo']], [s['hi'] - s['mean']]], capsize=4,
                         label=r['label'])
         axes[k].set_xticks(range(len(rs)), [r['label'] for r in rs], rotation=20, fontsize=7)
+        axes[k].set_xlim(-0.8, len(rs) - 0.2)
     m = rs[0]['propagation']['m']
     axes[0].set(ylabel='effective rank of P', title=f'erank (max {m})')
     axes[1].set(ylabel='mean |cos| between columns of P', title='stream similarity')
@@ -206,6 +224,7 @@ def plot_propagation(results):
         axes[2].plot(j, s['mean'], '-o', ms=3, label=r['label'])
         axes[2].fill_between(j, s['lo'], s['hi'], alpha=0.25)
     axes[2].set(xlabel='singular value j', ylabel='sigma_j / sigma_max', title='spectrum of P', ylim=(0, 1.05))
+    axes[2].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[2].legend(fontsize=7)
     fig.suptitle(f"mixing product P per token; intervals: bootstrap over {rs[0]['propagation']['unit']}s", fontsize=8)
     fig.tight_layout()

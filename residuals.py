@@ -146,21 +146,117 @@ def inv_rms(v, eps):
     return torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _promoted_dtype(tensors):
+    """The dtype of a sum of `tensors` under type promotion (fp32 when an fp32 embedding
+    is mixed with bf16 sublayer outputs)."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+class DepthMixFunction(torch.autograd.Function):
+    """The AttnRes read of `depth_mix` with a hand-written backward (arXiv 2603.15031;
+    schemes.md "Full AttnRes", cost notes). Call as
+
+        z, a = DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
+
+    Why: autograd on the plain formula (`depth_mix_reference`) saves a stacked copy of
+    all n sources at every read, O(n B T d) bytes per read and O(L^2 B T d) per forward
+    pass, which ran out of memory in public ports. This saves only the n dot products
+    r (n, B, T) per token and references to the sources and their 1/rms (alive anyway:
+    they are earlier sublayers' outputs, kept in the AttnRes state); backward recomputes
+    the softmax weights a from them, a cheap (n, B, T) op. Every sum over sources is a
+    loop over the n tensors, never an (n, B, T, d) stack: on the CPU that is also the
+    fastest form (tiny batched matmuls are slow there), and torch.compile fuses the loops
+    of a read into a few kernels (whole-model compile: one graph, the varying n of the
+    reads is unrolled, no recompiles).
+
+    Logits, softmax and the sum z are accumulated in fp32 (fp64 for fp64 inputs); z is
+    returned in the sources' promoted dtype. With e_i = r_i s_i, r_i = v_i . u, u = w * g,
+    a = softmax(e), z = sum_i a_i v_i, and incoming gradients gz, ga:
+        p_i  = gz . v_i + ga_i                    (gradient reaching a_i)
+        ge_i = a_i (p_i - sum_j a_j p_j)           (softmax backward)
+        gv_i = a_i gz + ge_i s_i u,  gs_i = ge_i r_i,  gu = sum_{i,b,t} ge_i s_i v_i,
+        gw = gu * g,  gg = gu * w."""
+
+    @staticmethod
+    def forward(ctx, query, key_gain, *tensors):
+        n = len(tensors) // 2
+        sources, inv_rmses = tensors[:n], tensors[n:]
+        dtype = _promoted_dtype(sources)
+        acc = torch.promote_types(dtype, torch.float32)                         # fp32 (fp64 in gradcheck)
+        u = query.to(acc) * key_gain.to(acc)                                    # (d,)
+        r = torch.stack([v.to(acc) @ u for v in sources])                       # (n, B, T)
+        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
+        a = torch.softmax(r * s, dim=0)                                         # (n, B, T)
+        z = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)  # (B, T, d)
+        for i, v in enumerate(sources):  # in place: one buffer, not n fresh (B, T, d) allocations
+            z.addcmul_(a[i].unsqueeze(-1), v)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(query, key_gain, r, *sources, *inv_rmses)
+        return z.to(dtype), a
+
+    @staticmethod
+    def backward(ctx, gz, ga):
+        query, key_gain, r, *tensors = ctx.saved_tensors
+        n = len(tensors) // 2
+        sources, inv_rmses = tensors[:n], tensors[n:]
+        need_w, need_g = ctx.needs_input_grad[:2]
+        need_v, need_s = ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
+        acc = r.dtype
+        u = query.to(acc) * key_gain.to(acc)                                    # (d,)
+        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
+        a = torch.softmax(r * s, dim=0)                                         # (n, B, T), as in forward
+        gz = torch.zeros(sources[0].shape, dtype=acc, device=r.device) if gz is None else gz.to(acc)
+        p = torch.stack([torch.linalg.vecdot(v.to(acc), gz) for v in sources])  # (n, B, T)
+        if ga is not None:
+            p = p + ga
+        ge = a * (p - (a * p).sum(0, keepdim=True))                             # (n, B, T)
+        c = ge * s                                                              # (n, B, T), reaches r
+        gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
+              for i, v in enumerate(sources)]                                   # n x (B, T, d)
+        gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
+              for i in range(n)]                                                # n x (B, T, 1)
+        gw = gg = None
+        if need_w or need_g:
+            d = u.numel()
+            gu = sum(v.reshape(-1, d).to(acc).t() @ c[i].reshape(-1) for i, v in enumerate(sources))  # (d,)
+            gw = (gu * key_gain.to(acc)).to(query.dtype) if need_w else None
+            gg = (gu * query.to(acc)).to(key_gain.dtype) if need_g else None
+        return (gw, gg, *gv, *gs)
+
+
+def depth_mix_reference(sources, inv_rmses, query, key_gain):
+    """`depth_mix` written as the plain formula, left to autograd: stacks the sources,
+    (n, B, T, d), and autograd keeps that stack for backward at every read. The reference
+    that tests check DepthMixFunction against; same arguments and returns as depth_mix."""
+    V = torch.stack(sources)                                   # (n, B, T, d)
+    acc = torch.promote_types(V.dtype, torch.float32)
+    s = torch.stack(inv_rmses).squeeze(-1).to(acc)             # (n, B, T)
+    logits = (V @ (query * key_gain).to(V.dtype)).to(acc) * s  # (n, B, T)
+    a = torch.softmax(logits, dim=0)                           # (n, B, T)
+    z = torch.einsum('nbt,nbtd->btd', a.to(V.dtype), V)        # (B, T, d)
+    return z, a
+
+
 def depth_mix(sources, inv_rmses, query, key_gain):
     """Depth attention of AttnRes (arXiv 2603.15031; DESIGN §4):
 
         e_i = w^T RMSNorm_key(v_i) = (v_i . (w * g)) / rms(v_i),   a = softmax_i(e),   z = sum_i a_i v_i
 
-    sources: n tensors v_i (B, T, d); inv_rmses: their 1/rms (B, T, 1), computed once per
-    source; query w and key-norm gain g: (d,). No 1/sqrt(d), temperature 1, softmax in
-    fp32. Scoring with v . (w * g) never materialises the normalised keys.
-    Returns z (B, T, d) in the sources' dtype and the weights a (n, B, T) in fp32."""
-    V = torch.stack(sources)                                   # (n, B, T, d)
-    s = torch.stack(inv_rmses).squeeze(-1)                     # (n, B, T)
-    logits = (V @ (query * key_gain).to(V.dtype)).float() * s  # (n, B, T)
-    a = torch.softmax(logits, dim=0)                           # (n, B, T)
-    z = torch.einsum('nbt,nbtd->btd', a.to(V.dtype), V)        # (B, T, d)
-    return z, a
+    sources: n >= 1 tensors v_i (B, T, d); inv_rmses: their 1/rms (B, T, 1), computed once
+    per source; query w and key-norm gain g: (d,). No 1/sqrt(d), temperature 1; logits,
+    softmax and the sum in fp32. Scoring with v . (w * g) never materialises the
+    normalised keys, and the backward (DepthMixFunction) keeps no stacked copy of the
+    sources: saved memory per read is n fp32 numbers per token, not n copies of (B, T, d).
+    Gradients flow into the sources, their 1/rms, w and g.
+    Returns z (B, T, d) in the sources' (promoted) dtype and the weights a (n, B, T) in fp32.
+    Raises ValueError if the lists are empty or differ in length."""
+    if not sources or len(sources) != len(inv_rmses):
+        raise ValueError(f"depth_mix needs at least one source and one 1/rms per source; got "
+                         f"{len(sources)} sources and {len(inv_rmses)} 1/rms tensors")
+    return DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
 
 
 class DepthMixer(nn.Module):

@@ -29,7 +29,7 @@ TINY_IDS = ['mha', 'gqa16/8', 'L8-odd']
 
 
 def config(scheme, **kw):
-    return GPTConfig(**kw, residual=scheme, block_size=kw.pop('block_size', 64))
+    return GPTConfig(**{'block_size': 64, **kw}, residual=scheme)
 
 
 def sources_read(cfg, T):
@@ -60,34 +60,54 @@ def check_flops(cfg, T, B):
     terms = r['terms']
     if scheme in cost.ELEMENTWISE_SCHEMES:
         assert terms == {} and r['missing'] == 0
-    elif scheme in ('attnres', 'blockattnres'):
-        # every depth read is a matrix product (logits w·v_i via mv, weighted sum via einsum/bmm)
-        n = sources_read(cfg, T)
-        assert r['counted'] - backbone == 4 * T * cfg.n_embd * B * n
-        assert r['missing'] == 0, (f"{scheme}: the implementation reads {n} sources in all, the "
-                                   f"Appendix D count assumes {sum(cost.blockattnres_sources(cfg.n_layer))}")
-    else:
-        # exact up to which stream reads/writes are written as broadcasts (invisible to the counter)
-        optional = [k for k in terms if k in cost.BROADCAST_TERMS]
-        sums = {sum(terms[k] for k in sub) for n in range(len(optional) + 1)
-                for sub in itertools.combinations(optional, n)}
-        assert r['missing'] in sums, (scheme, r['missing'], terms)
-        assert r['missing'] < sum(terms.values())  # the projection terms are always seen
+        return
+    # exact up to which per-token weighted sums / outer products the implementation writes as
+    # broadcasts (invisible to the counter); projections must always be seen
+    optional = [k for k in terms if k in cost.BROADCAST_TERMS]
+    sums = {sum(terms[k] for k in sub) for n in range(len(optional) + 1)
+            for sub in itertools.combinations(optional, n)}
+    assert r['missing'] in sums, (scheme, r['missing'], terms)
+    if scheme in ('attnres', 'blockattnres'):
+        # the number of sources the formula assumes = the number the model's reads mix (trace)
+        L, d = cfg.n_layer, cfg.n_embd
+        n = L * (2 * L + 3) if scheme == 'attnres' else \
+            sum(cost.blockattnres_sources(L, cfg.attnres_blocks, appendix_d=False))
+        assert sources_read(cfg, T) == n
+        assert terms['depth_scores'] == terms['depth_values'] == 2 * T * d * B * n
 
 
-@pytest.mark.parametrize('scheme', SCHEMES)
-@pytest.mark.parametrize('shape', TINY, ids=TINY_IDS)
+# every scheme at MHA and GQA; the third shape (L = 8: Block AttnRes with 2-sublayer blocks)
+# only for the schemes with extra terms
+FLOP_CASES = [pytest.param(scheme, shape, id=f'{i}-{scheme}') for scheme in SCHEMES
+              for shape, i in zip(TINY, TINY_IDS) if shape is not TINY[2] or scheme not in cost.ELEMENTWISE_SCHEMES]
+
+
+@pytest.mark.parametrize('scheme,shape', FLOP_CASES)
 def test_forward_flops_match_flop_counter(scheme, shape):
     check_flops(config(scheme, **shape), T=16, B=2)
 
 
-@pytest.mark.parametrize('m', [2, 4])
+@pytest.mark.parametrize('m', [2, 3])
 @pytest.mark.parametrize('scheme', ['hc', 'mhc'])
 def test_stream_count_generalisation(scheme, m):
     """The general-m HC/mHC formulas against the counter at m != 4 too."""
     if scheme not in RESIDUALS:
         pytest.skip(f"{scheme} is not registered in residuals.RESIDUALS")
     check_flops(config(scheme, **TINY[0], hc_streams=m), T=8, B=1)
+
+
+def design_flops(L, d, scheme='preln', T=4096, V=50280):
+    """DESIGN §8 written out for MHA: L·(8Td² + 6T·d·d_ff + 2T²d) + 2dV + ΔF, d_ff = 16·ceil(8d/3/16)."""
+    d_ff = 16 * math.ceil(8 * d / 3 / 16)
+    extra = {'preln': 0, 'hc': 192 * T * d * L, 'mhc': 480 * T * d * L, 'attnres': 4 * T * d * L * (2 * L + 3)}[scheme]
+    return L * (8 * T * d * d + 6 * T * d * d_ff + 2 * T * T * d) + 2 * d * V + extra
+
+
+def test_forward_flops_design_formula_main_family():
+    shapes, kw = cost.family_shapes('main')  # from families.py when present
+    assert [(L, d) for L, d, _ in shapes] == list(cost.MAIN_SHAPES)
+    for (L, d), scheme in itertools.product(cost.MAIN_SHAPES, ('preln', 'hc', 'mhc', 'attnres')):
+        assert cost.forward_flops(L, d, 4096, residual=scheme) == design_flops(L, d, scheme)
 
 
 def test_closed_forms_of_design_section_8():
@@ -105,6 +125,24 @@ def test_closed_forms_of_design_section_8():
     # HC's m: 8m(m+2); mHC: 4m(m+1)(m+2)
     assert cost.extra_flops('hc', 3, 64, 5, hc_streams=2) == 8 * 2 * 4 * 5 * 64 * 3
     assert cost.extra_flops('mhc', 3, 64, 5, hc_streams=2) == 4 * 2 * 3 * 4 * 5 * 64 * 3
+
+
+@pytest.mark.parametrize('L', [4, 8, 16, 32])
+def test_blockattnres_sources(L):
+    """The implemented source count (no empty partial sum at a boundary) vs Appendix D's:
+    N - 1 fewer sources; one block per sublayer is Full AttnRes; one block reads only the
+    embedding and the partial sum."""
+    paper = cost.blockattnres_sources(L, 8)
+    model = cost.blockattnres_sources(L, 8, appendix_d=False)
+    assert len(paper) == len(model) == 2 * L and paper[-1] == model[-1] == 9
+    assert sum(paper) - sum(model) == 8 - 1
+    assert sum(cost.blockattnres_sources(L, 2 * L, appendix_d=False)) == L * (2 * L + 3)
+    assert cost.blockattnres_sources(L, 1, appendix_d=False) == [2] * (2 * L - 1) + [2]
+    d, T = 64, 16
+    assert (cost.extra_flops('blockattnres', L, d, T) - cost.extra_flops('blockattnres', L, d, T, appendix_d=False)
+            == 4 * T * d * 7)
+    with pytest.raises(ValueError, match="divisible"):
+        cost.blockattnres_sources(L, 2 * L - 1 if L > 1 else 3, appendix_d=False)
 
 
 def test_forward_flops_conventions():
@@ -206,6 +244,8 @@ def test_cli_table_json_figure_and_loss_panel(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert '| attnres | 16 | 1216 | 76.00 |' in text and '| 2.99 |' in text and '| 4.43 |' in text
+    pivot = f"| 16 | 1216 | 76.00 | {design_flops(16, 1216) / 1e12:.3f} | {design_flops(16, 1216, 'attnres') / 1e12:.3f} |"
+    assert pivot in text and text.rstrip().count('| 319 |') == 4  # 3 table rows + the pivot's KV column
     data = json.loads((out / 'cost.json').read_text())
     rows = {(r['scheme'], r['L']): r for r in data['rows']}
     assert len(rows) == 6 and rows[('preln', 70)]['kv_bytes'] == cost.kv_cache_bytes(70, 640, 4096)

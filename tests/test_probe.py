@@ -350,13 +350,31 @@ def test_propagation_stats_use_the_product_in_forward_order(toyhc):
 
 
 @pytest.mark.skipif('blockattnres' not in residuals.RESIDUALS, reason="Block AttnRes not registered")
-def test_block_attnres_weights_sum_to_one():
-    model = randomize_scheme(tiny('blockattnres', n_layer=4, attnres_blocks=2))
+def test_block_attnres_weights_are_uniform_at_init():
+    # zero pseudo-queries: every read is the mean of its n sources (embedding, frozen blocks, partial sum)
+    model = tiny('blockattnres', n_layer=4, attnres_blocks=2)  # 8 sublayers, blocks of 4
     r = probe.block_weights(model, windows())
-    for c, e, f in zip(r['current'], r['embedding'], r['frozen']):
-        if not np.isnan(e):
-            assert (0 if np.isnan(c) else c) + e + f == pytest.approx(1.0, abs=1e-5)
-    assert probe.path_weights(model, windows())['kind'] == 'attnres'
+    for ell, (c, e, ws) in enumerate(zip(r['current'], r['embedding'], r['weights'])):
+        if ws:
+            assert e == pytest.approx(1 / len(ws), rel=1e-5), ell
+            assert np.isnan(c) or c == pytest.approx(1 / len(ws), rel=1e-5)
+    assert 4 in r['boundaries'] and not np.isnan(r['current'][5])  # the partial sum restarts after a boundary
+    W = probe.path_weights(model, windows())['W']
+    assert W[5, 0] == pytest.approx(1 / 3, rel=1e-5)  # reader 5: embedding, block 0, partial sum (sublayer 4)
+    assert W[5, 1:5] == pytest.approx([1 / 3] * 4, rel=1e-5) and W[5, 5] == pytest.approx(1 / 3, rel=1e-5)
+
+
+def test_block_attnres_path_weights_spread_a_block_weight_over_its_sublayers():
+    def entry(ell, ws):  # token-constant weights over n sources, (n, B=1, T=2)
+        return {'block': ell // 2, 'sublayer': ell % 2, 'weights': torch.tensor(ws)[:, None, None].expand(-1, 1, 2)}
+    tape = [entry(1, [0.3, 0.7]), entry(2, [0.6, 0.4]), entry(3, [0.2, 0.5, 0.3]), entry(4, [0.1, 0.1, 0.8])]
+    W, n = probe.attnres_path_weights(tape, n_layer=2, block_size=2)
+    assert n == 2
+    np.testing.assert_allclose(W[3, :4], [0.2, 0.5, 0.5, 0.3])   # block 0 = sublayers 0, 1; partial = 2
+    np.testing.assert_allclose(W[4], [0.1, 0.1, 0.1, 0.8, 0.8])   # readout: emb, block 0, block 1
+    np.testing.assert_allclose(W[2, :3], [0.6, 0.4, 0.4]) and np.testing.assert_allclose(W[0, 0], 1.0)
+    with pytest.raises(ValueError, match='sources'):
+        probe.attnres_path_weights([entry(3, [0.5, 0.5])], n_layer=2, block_size=2)
 
 
 def test_block_weights_need_block_attnres():
@@ -482,7 +500,8 @@ def test_cli_end_to_end_writes_json_and_figures(tmp_path, capsys):
         assert key in data, key
     assert set(data['skipped']) == {'block_weights', 'propagation'} and res['tokenizer'] == 'byte'
     assert data['prune']['n'] == 3 and data['domain_nll']['tasks']['gsm8k']['n_examples'] == 1
-    assert data['causal']['C'][0][0] is None and data['settings']['angular'] == {'n_windows': 2, 'seq_len': 16, 'seed': 42}
+    assert data['causal']['C'][0][0] is None
+    assert data['settings']['angular'] == {'n_windows': 2, 'seq_len': 16, 'seed': 42}
     for name in ('angular', 'causal', 'permutation', 'late_pairs', 'path_weights', 'prune', 'logit_lens', 'domain_nll'):
         assert (out / f'{name}.png').stat().st_size > 1000, name
     text = capsys.readouterr().out
@@ -501,7 +520,8 @@ def test_cli_compare_overlays_several_checkpoints(tmp_path, monkeypatch):
     val = write_val(tmp_path / 'data' / 'val.bin', vocab=257)
     ckpts = [make_run(tmp_path, r) for r in ('preln', 'attnres', 'toyhc')]
     common = [f'--val_bin={val}', '--tokenizer=byte', f'--eval_dir={tmp_path / "none"}', '--n_windows=2',
-              '--seq_len=16', '--device=cpu', '--n_boot=20', '--metrics=angular,causal,permutation,propagation,path_weights']
+              '--seq_len=16', '--device=cpu', '--n_boot=20',
+              '--metrics=angular,causal,permutation,propagation,path_weights']
     probe.main([f'--ckpt={ckpts[0]}'] + common)  # the first one from its probe.json
     results = probe.main(['--compare', str(ckpts[0].parent / 'probe' / 'probe.json'), str(ckpts[1]), str(ckpts[2]),
                           f'--out_dir={tmp_path / "cmp"}'] + common)
@@ -511,3 +531,24 @@ def test_cli_compare_overlays_several_checkpoints(tmp_path, monkeypatch):
         assert (tmp_path / 'cmp' / f'{name}.png').is_file()
     cmp = json.loads((tmp_path / 'cmp' / 'compare.json').read_text())
     assert set(cmp) == {'preln', 'attnres', 'toyhc'} and 'propagation' in cmp['toyhc']
+
+
+def test_bench_probe_runs_and_reports_identical_scores(capsys):
+    import bench_probe
+    bench_probe.main(['--n_layer=3', '--n_embd=16', '--n_head=2', '--vocab_size=64', '--n_windows=2',
+                      '--seq_len=8', '--device=cpu'])
+    out = capsys.readouterr().out
+    assert out.count('speed-up') == 2 and out.count('max |diff| 0.0e+00') == 2
+    with pytest.raises(SystemExit, match='--scans'):
+        bench_probe.main(['--scans=bogus', '--device=cpu'])
+
+
+def test_figures_for_block_weights_and_domain_nll_from_results(tmp_path):
+    import probe_plots
+    bw = {'current': [np.nan, 0.05, np.nan, 0.4, 0.6], 'embedding': [1.0, 0.9, 0.5, 0.3, 0.2],
+          'frozen': [0.0, 0.05, 0.5, 0.3, 0.2], 'boundaries': [0, 2], 'dead_sublayers': 1, 'dead_threshold': 0.1}
+    nll = {'categories': {'coding': {'nll': 1.2}, 'stem': {'nll': None}, 'math': {'nll': 0.9}}}
+    results = [{'label': 'a', 'block_weights': bw, 'domain_nll': nll}, {'label': 'b', 'domain_nll': nll}]
+    paths = probe_plots.plot_all(results, tmp_path)
+    assert sorted(p.name for p in paths) == ['block_weights.png', 'domain_nll.png']
+    assert all(p.stat().st_size > 1000 for p in paths)

@@ -1,0 +1,508 @@
+"""
+What each residual scheme costs in wall-clock time and memory on this machine
+(DESIGN §8; paper Sec. 4.4, Fig. 11), measured in ONE run against two references:
+
+  (a) Pre-LN, the study's baseline, built by model.py like every scheme;
+  (b) `PlainGPT`, the same pre-norm transformer written here as plainly as possible
+      (RMSNorm, RoPE, attention, SwiGLU; no scheme machinery). It has exactly Pre-LN's
+      parameters and, given the same weights, Pre-LN's loss (tests/test_fast_mix.py), so
+      "Pre-LN vs plain" is the price of the scheme interface itself.
+
+    python bench.py --schemes=preln,attnres,hc --n_layer=8 --n_embd=128 --n_head=4 \\
+        --block_size=256 --batch_size=8 --vocab_size=257 --device=cpu --compile=False --steps=20 --warmup=5
+    python bench.py --schemes=all --device=cuda --compile=True     # every registered scheme, bf16 autocast
+    python bench.py --schemes=preln,attnres --n_layer=32 --batch_size=4 --steps=0   # memory only
+    python bench.py --hc_package=True ...   # also time the PyPI hyper-connections package in PlainGPT
+
+For every scheme: training-step time (forward + backward + AdamW step), prefill
+throughput (no_grad forward, tokens/s), MFU (CUDA only: model.estimate_mfu; None on the
+CPU), memory, and ΔF/F from cost.py; ratios against Pre-LN and against PlainGPT, and a
+PASS/FAIL against the time budget
+
+    t_scheme / t_PreLN <= (1 + ΔF/F) x TARGETS[scheme]        (t_PreLN / t_plain <= 1.0 for Pre-LN)
+
+Memory: on CUDA the peak allocated during one training step above what was allocated
+before it (`torch.cuda.max_memory_allocated`); on every device the bytes of the unique
+storages autograd saves for backward in one forward pass (`saved_activation_bytes`), a
+deterministic proxy of activation memory (the CPU allocator is not tracked).
+
+Timing discipline (STYLE.md, modded-nanogpt): all models are built and warmed up (and
+compiled, with --compile=True) on the exact shapes first; then model and optimizer state
+are reset, and `rounds` rounds run each scheme's timed steps in turn, rotating the order
+every round (ABC, BCA, CAB, ...) so that background load hits every scheme alike. A ratio
+is the median over rounds of the per-round ratio; CUDA is synchronised at every timing
+boundary. With --compile=True, graphs compiled after warm-up are counted as recompiles
+(target 0). Results, with the command, versions and hardware, go to `out` as JSON.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from configurator import ConfigError, comments_from_source, configure
+from model import GPT, GPTConfig, estimate_mfu
+from residuals import RESIDUALS
+
+# -----------------------------------------------------------------------------
+# default config values (python bench.py --help lists them)
+schemes = 'preln,attnres'  # comma-separated keys of residuals.RESIDUALS, or 'all'; Pre-LN is always added
+n_layer = 8  # L blocks
+n_embd = 128  # d
+n_head = 4  # query heads
+n_kv_head = None  # key/value heads (GQA); None = n_head
+block_size = 256  # sequence length T of every measured batch
+batch_size = 8  # sequences per batch B
+vocab_size = 257  # byte-level vocabulary (256 bytes + end of text)
+hc_streams = 4  # HC/mHC streams m
+attnres_blocks = 8  # Block AttnRes blocks
+device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu' or 'cuda'
+dtype = None  # None = bfloat16 autocast on CUDA, float32 elsewhere; 'float32', 'bfloat16', 'float16'
+compile = False  # torch.compile every model (whole-model graphs); recompiles after warm-up are reported
+steps = 20  # timed training steps (and prefill passes) per model, spread over the rounds; 0 = memory only
+warmup = 5  # untimed training steps (and prefill passes) per model before timing
+rounds = 5  # interleaved timing rounds; ratios are medians over rounds
+hc_package = False  # also time PlainGPT with the PyPI hyper-connections package (4 streams), if installed
+learning_rate = 3e-4  # AdamW learning rate of the timed steps (does not affect the timing)
+threads = 0  # torch CPU threads; 0 = torch's default (one per core). 1 is steadier on a shared machine
+seed = 1337
+out = 'out/bench.json'  # results as JSON; '' = do not write
+
+# Time budget per scheme, as a factor on (1 + ΔF/F) over Pre-LN. HC/mHC carry m streams;
+# (Block) AttnRes and MoDA add depth attention; every other scheme has one stream and
+# only norms/gains/adds over Pre-LN.
+TARGETS = {'hc': 1.3, 'mhc': 1.3, 'attnres': 1.25, 'blockattnres': 1.25, 'moda': 1.25}
+SINGLE_STREAM_TARGET = 1.10
+PRELN_VS_PLAIN_TARGET = 1.0
+HC_PACKAGE_VERSION = '0.4.11'
+
+# -----------------------------------------------------------------------------
+# the plain baseline
+
+
+def rope_tables(T, head_dim, theta):
+    """cos, sin (T, head_dim/2) of RoPE."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def rope(x, cos, sin):
+    """Rotates the halves (x1, x2) of x (B, H, T, hd) by the position angle, in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class PlainBlock(nn.Module):
+    """x <- x + Attn(RMSNorm(x)); x <- x + SwiGLU(RMSNorm(x)). Optionally the two residual
+    adds are hyper-connections of the PyPI package: hc = (attn_hc, mlp_hc)."""
+
+    def __init__(self, cfg, hc=None):
+        super().__init__()
+        d, hd = cfg.n_embd, cfg.n_embd // cfg.n_head
+        self.H, self.Hkv, self.hd = cfg.n_head, cfg.n_kv_head, hd
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(d, eps=cfg.norm_eps), nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.wq, self.wo = nn.Linear(d, self.H * hd, bias=False), nn.Linear(self.H * hd, d, bias=False)
+        self.wk, self.wv = nn.Linear(d, self.Hkv * hd, bias=False), nn.Linear(d, self.Hkv * hd, bias=False)
+        self.w_gate, self.w_up = nn.Linear(d, cfg.ffn_hidden, bias=False), nn.Linear(d, cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, d, bias=False)
+        self.hc = nn.ModuleList(hc) if hc is not None else None
+
+    def attn(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.H, self.hd).transpose(1, 2)     # (B, H, T, hd)
+        k = self.wk(x).view(B, T, self.Hkv, self.hd).transpose(1, 2)   # (B, Hkv, T, hd)
+        v = self.wv(x).view(B, T, self.Hkv, self.hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True,
+                                           enable_gqa=self.Hkv != self.H)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def mlp(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+    def forward(self, x, cos, sin):
+        if self.hc is None:
+            x = x + self.attn(self.attn_norm(x), cos, sin)
+            return x + self.mlp(self.mlp_norm(x))
+        branch_in, add = self.hc[0](x)                   # x: (B*m, T, d), branch_in: (B, T, d)
+        x = add(self.attn(self.attn_norm(branch_in), cos, sin))
+        branch_in, add = self.hc[1](x)
+        return add(self.mlp(self.mlp_norm(branch_in)))
+
+
+class PlainGPT(nn.Module):
+    """A pre-norm GPT with the backbone of model.py (DESIGN §3) and nothing else: the
+    same parameters as GPT(cfg) with residual='preln' (state_dict names map by
+    `plain_state_dict`). forward(idx, targets) -> (logits (B, T, V), mean cross-entropy in
+    nats or None), as GPT. hc_streams > 0 wires the PyPI hyper-connections package (one
+    HyperConnections per sublayer; streams expanded after the embedding, summed before
+    the final norm)."""
+
+    def __init__(self, cfg, hc_streams=0):
+        super().__init__()
+        self.config = cfg
+        hc = [None] * cfg.n_layer
+        self.expand = self.reduce = nn.Identity()
+        if hc_streams:
+            from hyper_connections import get_init_and_expand_reduce_stream_functions
+            make, self.expand, self.reduce = get_init_and_expand_reduce_stream_functions(hc_streams)
+            hc = [(make(dim=cfg.n_embd, layer_index=2 * b), make(dim=cfg.n_embd, layer_index=2 * b + 1))
+                  for b in range(cfg.n_layer)]
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList([PlainBlock(cfg, hc[b]) for b in range(cfg.n_layer)])
+        self.norm_f = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_theta)
+        self.register_buffer('cos', cos, persistent=False)
+        self.register_buffer('sin', sin, persistent=False)
+        std = cfg.init_std
+        for m in self.modules():  # the package's routing parameters keep their own init
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.trunc_normal_(m.weight, std=std, a=-3 * std, b=3 * std)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len):
+        """PaLM's training FLOPs per token, 6N + 12*L*d*T (N without the embedding), as GPT."""
+        n = self.num_params() - self.wte.weight.numel()
+        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * seq_len
+
+    def forward(self, idx, targets=None):
+        T = idx.size(1)
+        x = self.expand(self.wte(idx))
+        for block in self.blocks:
+            x = block(x, self.cos[:T], self.sin[:T])
+        logits = self.lm_head(self.norm_f(self.reduce(x)))
+        loss = None if targets is None else F.cross_entropy(logits.float().view(-1, logits.size(-1)),
+                                                            targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+
+def plain_state_dict(gpt_state):
+    """A Pre-LN GPT's state_dict renamed for PlainGPT: blocks.b.attn.wq -> blocks.b.wq,
+    blocks.b.mlp.w_up -> blocks.b.w_up, residual.layers.b.attn_norm -> blocks.b.attn_norm.
+    Raises KeyError for a key that has no place in PlainGPT (not a Pre-LN state)."""
+    out = {}
+    for k, v in gpt_state.items():
+        parts = k.split('.')
+        if parts[0] in ('wte', 'norm_f', 'lm_head'):
+            out[k] = v
+        elif parts[0] == 'blocks' and parts[2] in ('attn', 'mlp'):
+            out['.'.join(['blocks', parts[1]] + parts[3:])] = v
+        elif parts[:2] == ['residual', 'layers'] and parts[3] in ('attn_norm', 'mlp_norm'):
+            out['.'.join(['blocks'] + parts[2:])] = v
+        else:
+            raise KeyError(f"{k} has no place in PlainGPT: plain_state_dict maps Pre-LN models only")
+    return out
+
+# -----------------------------------------------------------------------------
+# measurements
+
+
+def saved_activation_bytes(model, idx, targets, ctx=nullcontext()):
+    """Bytes autograd keeps for backward after one forward pass of `model(idx, targets)`:
+    the sum of nbytes of the unique storages of the saved tensors, parameters and buffers
+    excluded. A deterministic proxy of training activation memory on any device (views
+    of one storage count once, so tensors that are alive anyway count once too)."""
+    own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        _, loss = model(idx, targets)
+    del loss
+    return sum(seen.values())
+
+
+def flop_ratio(cfg, seq_len):
+    """ΔF/F of cfg's scheme from cost.py (extra_flops / Pre-LN forward_flops, LM head on all
+    positions, causal attention), or None when cost.py or the scheme's formula is missing."""
+    try:
+        import cost
+        kw = dict(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, hc_streams=cfg.hc_streams,
+                  attnres_blocks=cfg.attnres_blocks)
+        extra = cost.extra_flops(cfg.residual, cfg.n_layer, cfg.n_embd, seq_len, **kw)
+        base = cost.forward_flops(cfg.n_layer, cfg.n_embd, seq_len, residual='preln', ffn_hidden=cfg.ffn_hidden,
+                                  vocab_size=cfg.vocab_size, logits='all', attention='causal', **kw)
+        return extra / base
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+
+
+def target_factor(name):
+    """The time budget factor of a row (multiplies 1 + ΔF/F), against Pre-LN."""
+    return TARGETS.get(name, SINGLE_STREAM_TARGET)
+
+
+class Entry:
+    """One timed model: its (possibly compiled) callable, optimizer, and measurements."""
+
+    def __init__(self, name, kind, model, fn, opt, cfg):
+        self.name, self.kind, self.model, self.fn, self.opt, self.cfg = name, kind, model, fn, opt, cfg
+        self.train_s, self.prefill_s = [], []   # per-round seconds per step / per pass
+        self.recompiles, self.graph_breaks_warmup, self.graphs_warmup = 0, 0, 0
+        self.saved_bytes = self.cuda_peak_bytes = None
+        self.init_model = {k: v.clone() for k, v in model.state_dict().items()}
+        self.init_opt = opt.state_dict()
+
+    def reset(self):
+        """Back to the initial weights and an empty optimizer state (in place: compiled code stays valid)."""
+        self.model.load_state_dict(self.init_model)
+        self.opt.load_state_dict(self.init_opt)
+        self.opt.zero_grad(set_to_none=True)
+
+
+def sync(dev):
+    if dev.type == 'cuda':
+        torch.cuda.synchronize(dev)
+
+
+def graph_counts():
+    """(graphs compiled so far, graph breaks so far), from torch._dynamo's counters."""
+    from torch._dynamo.utils import counters
+    return counters['stats']['unique_graphs'], sum(counters['graph_break'].values())
+
+
+def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg, lr, seed_, log=print):
+    """Builds, warms up and times every model; returns the results dict (see main for the JSON)."""
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype_name]
+    ctx = nullcontext() if dtype_name == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
+    B, T = cfg_kw['batch_size'], cfg_kw['block_size']
+    gcfg = {k: v for k, v in cfg_kw.items() if k != 'batch_size'}
+    g = torch.Generator().manual_seed(seed_)
+    idx = torch.randint(0, gcfg['vocab_size'], (B, T + 1), generator=g)
+    x, y = idx[:, :-1].contiguous().to(dev), idx[:, 1:].contiguous().to(dev)
+
+    entries = []
+
+    def add(name, kind, model, cfg):
+        model.to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=dev.type == 'cuda')
+        fn = torch.compile(model) if compile_ else model
+        entries.append(Entry(name, kind, model, fn, opt, cfg))
+
+    for name in names:
+        torch.manual_seed(seed_)
+        cfg = GPTConfig(**gcfg, residual=name)
+        add(name, 'scheme', GPT(cfg), cfg)
+    torch.manual_seed(seed_)
+    plain_cfg = GPTConfig(**gcfg)
+    add('plain', 'plain', PlainGPT(plain_cfg), plain_cfg)
+    byname = {e.name: e for e in entries}
+    if byname['plain'].model.num_params() != byname['preln'].model.num_params():
+        raise AssertionError("PlainGPT and Pre-LN differ in parameter count")
+    if hc_pkg:
+        try:
+            from importlib.metadata import version
+            pkg_version = version('hyper-connections')
+        except Exception:
+            pkg_version = None
+        if pkg_version is None:
+            log(f"hc_package: hyper-connections is not installed (pip install hyper-connections=="
+                f"{HC_PACKAGE_VERSION}); skipping it")
+        else:
+            if pkg_version != HC_PACKAGE_VERSION:
+                log(f"hc_package: hyper-connections {pkg_version} installed; the reference is {HC_PACKAGE_VERSION}")
+            torch.manual_seed(seed_)
+            add('hc_package', 'package', PlainGPT(plain_cfg, hc_streams=gcfg.get('hc_streams', 4)), plain_cfg)
+
+    def train_step(e):
+        with ctx:
+            _, loss = e.fn(x, y)
+        loss.backward()
+        e.opt.step()
+        e.opt.zero_grad(set_to_none=True)
+
+    def prefill(e):
+        with torch.no_grad(), ctx:
+            e.fn(x)
+
+    # memory (eager, deterministic) and warm-up / compilation on the exact shapes
+    for e in entries:
+        e.saved_bytes = saved_activation_bytes(e.model, x, y, ctx)
+        g0, b0 = graph_counts() if compile_ else (0, 0)
+        t0 = time.perf_counter()
+        for _ in range(max(warmup, 1 if compile_ else 0)):
+            train_step(e)
+            prefill(e)
+        sync(dev)
+        if compile_:
+            g1, b1 = graph_counts()
+            e.graphs_warmup, e.graph_breaks_warmup = g1 - g0, b1 - b0
+        log(f"warm-up {e.name:>14}: {time.perf_counter() - t0:7.1f} s, {e.saved_bytes / 2**20:8.1f} MiB saved")
+        if dev.type == 'cuda':
+            e.reset()
+            torch.cuda.reset_peak_memory_stats(dev)
+            before = torch.cuda.memory_allocated(dev)
+            train_step(e)
+            sync(dev)
+            e.cuda_peak_bytes = torch.cuda.max_memory_allocated(dev) - before
+        e.reset()
+
+    # interleaved timing rounds
+    per_round = max(1, steps // rounds) if steps else 0
+    for r in range(rounds if steps else 0):
+        order = entries[r % len(entries):] + entries[:r % len(entries)]
+        for phase, fn, store in (('train', train_step, 'train_s'), ('prefill', prefill, 'prefill_s')):
+            for e in order:
+                g0 = graph_counts()[0] if compile_ else 0
+                sync(dev)
+                t0 = time.perf_counter()
+                for _ in range(per_round):
+                    fn(e)
+                sync(dev)
+                getattr(e, store).append((time.perf_counter() - t0) / per_round)
+                if compile_:
+                    e.recompiles += graph_counts()[0] - g0
+        log(f"round {r + 1}/{rounds}: " + ", ".join(f"{e.name} {e.train_s[-1] * 1e3:.0f}" for e in entries)
+            + " ms/step")
+
+    # results
+    def paired(e, ref, store):
+        """Median over rounds of the per-round time ratio e / ref."""
+        a, b = getattr(e, store), getattr(ref, store)
+        return statistics.median(x / y for x, y in zip(a, b)) if a else None
+
+    preln, plain = byname['preln'], byname['plain']
+    rows = []
+    for e in entries:
+        dff = flop_ratio(e.cfg, T) if e.kind == 'scheme' else None
+        row = dict(name=e.name, kind=e.kind, params=e.model.num_params(), delta_f_over_f=dff,
+                   train_ms=statistics.median(e.train_s) * 1e3 if e.train_s else None,
+                   prefill_ms=statistics.median(e.prefill_s) * 1e3 if e.prefill_s else None,
+                   train_ms_rounds=[t * 1e3 for t in e.train_s], prefill_ms_rounds=[t * 1e3 for t in e.prefill_s],
+                   saved_bytes=e.saved_bytes, cuda_peak_bytes=e.cuda_peak_bytes,
+                   mem_vs_preln=e.saved_bytes / preln.saved_bytes,
+                   train_vs_preln=paired(e, preln, 'train_s'), train_vs_plain=paired(e, plain, 'train_s'),
+                   prefill_vs_preln=paired(e, preln, 'prefill_s'), prefill_vs_plain=paired(e, plain, 'prefill_s'))
+        row['train_tokens_per_s'] = B * T / row['train_ms'] * 1e3 if row['train_ms'] else None
+        row['prefill_tokens_per_s'] = B * T / row['prefill_ms'] * 1e3 if row['prefill_ms'] else None
+        row['mfu'] = estimate_mfu(e.model, row['train_tokens_per_s'], T, dev) if row['train_ms'] else None
+        if compile_:
+            row.update(graphs_warmup=e.graphs_warmup, graph_breaks_warmup=e.graph_breaks_warmup,
+                       recompiles=e.recompiles)
+        # the budget: schemes against Pre-LN, Pre-LN against the plain GPT
+        if e.name == 'preln':
+            row.update(target=PRELN_VS_PLAIN_TARGET, target_vs='plain')
+        elif e.kind == 'scheme':
+            row.update(target=(1 + (dff or 0.0)) * target_factor(e.name), target_vs='preln')
+        if 'target' in row and row['train_ms']:
+            ref = 'plain' if e.name == 'preln' else 'preln'
+            row['pass_train'] = row[f'train_vs_{ref}'] <= row['target']
+            row['pass_prefill'] = row[f'prefill_vs_{ref}'] <= row['target']
+        if e.kind == 'package' and 'hc' in byname and row['train_ms']:
+            row['hc_vs_package_train'] = paired(byname['hc'], e, 'train_s')
+            row['hc_vs_package_prefill'] = paired(byname['hc'], e, 'prefill_s')
+        rows.append(row)
+    return rows
+
+
+def format_table(rows, device_type):
+    """The results as a fixed-width text table (ratios are medians of per-round ratios)."""
+    mem = 'saved MiB' if device_type != 'cuda' else 'step MiB'
+    head = (f"{'scheme':>13} {'params':>9} {'ΔF/F':>6} {'step ms':>8} {'xPreLN':>6} {'xplain':>6} "
+            f"{'prefill tok/s':>13} {'xPreLN':>6} {'xplain':>6} {mem:>9} {'xPreLN':>6} {'MFU':>5} "
+            f"{'target':>12} {'train':>5} {'prefill':>7}")
+    lines = [head, '-' * len(head)]
+    def f(v, spec):  # a number, or '-' in the same width
+        return format(v, spec) if v is not None else '-'.rjust(int(spec.split('.')[0].strip(',') or 0))
+    for r in rows:
+        mib = (r['cuda_peak_bytes'] if device_type == 'cuda' else r['saved_bytes']) / 2**20
+        target = '-' if 'target' not in r else f"{r['target']:.3f}x {r['target_vs']}"
+        verdict = lambda k: '-' if k not in r else ('PASS' if r[k] else 'FAIL')
+        lines.append(f"{r['name']:>13} {r['params']:>9,} {f(r['delta_f_over_f'], '6.1%')} {f(r['train_ms'], '8.1f')} "
+                     f"{f(r['train_vs_preln'], '6.3f')} {f(r['train_vs_plain'], '6.3f')} "
+                     f"{f(r['prefill_tokens_per_s'], '13,.0f')} {f(r['prefill_vs_preln'], '6.3f')} "
+                     f"{f(r['prefill_vs_plain'], '6.3f')} {mib:9.1f} {r['mem_vs_preln']:6.3f} "
+                     f"{f(r['mfu'], '5.1%')} {target:>12} {verdict('pass_train'):>5} {verdict('pass_prefill'):>7}")
+        if 'recompiles' in r:
+            lines[-1] += f"  graphs {r['graphs_warmup']}, breaks {r['graph_breaks_warmup']}, recompiles {r['recompiles']}"
+    for r in rows:
+        if 'hc_vs_package_train' in r:
+            lines.append(f"our HC / hyper-connections {HC_PACKAGE_VERSION}: training step "
+                         f"{r['hc_vs_package_train']:.3f}x, prefill {r['hc_vs_package_prefill']:.3f}x")
+    lines.append("ratios: time of the row / time of Pre-LN (xPreLN) or of PlainGPT (xplain), median over rounds; "
+                 "'xPreLN' under memory: " + ("CUDA peak" if device_type == 'cuda' else "saved-activation bytes")
+                 + " ratio; target applies to time (Pre-LN against plain, others against Pre-LN)")
+    return '\n'.join(lines)
+
+
+def environment(dev):
+    """Versions and hardware of this run."""
+    env = dict(python=platform.python_version(), torch=torch.__version__, platform=platform.platform(),
+               processor=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+               torch_threads=torch.get_num_threads(), argv=sys.argv)
+    if dev.type == 'cuda':
+        env['gpu'] = torch.cuda.get_device_name(dev)
+    return env
+
+
+def main(argv=None):
+    """Parses `--key=value` overrides of the config above (configurator.py), runs the
+    benchmark, prints the table, writes `out`; returns the result rows. User errors exit
+    with a one-line message. The module's defaults are never modified."""
+    keys = [k for k, v in globals().items() if not k.startswith('_') and k.islower()
+            and isinstance(v, (int, float, bool, str, type(None)))]
+    c = {k: globals()[k] for k in keys}
+    try:
+        configure(c, keys, sys.argv[1:] if argv is None else argv, help_text=comments_from_source(__file__))
+        o = types.SimpleNamespace(**c)
+        names = list(RESIDUALS) if o.schemes == 'all' else [s.strip() for s in o.schemes.split(',') if s.strip()]
+        unknown = [s for s in names if s not in RESIDUALS]
+        if unknown:
+            raise ValueError(f"unknown scheme(s) {', '.join(unknown)}; registered: {', '.join(RESIDUALS)}")
+        names = ['preln'] + [s for s in dict.fromkeys(names) if s != 'preln']
+        dev = torch.device(o.device)
+        if dev.type == 'cuda' and not torch.cuda.is_available():
+            raise ValueError(f"device={o.device!r} but CUDA is not available here: use --device=cpu")
+        dt = o.dtype or ('bfloat16' if dev.type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32')
+        if dt not in ('float32', 'bfloat16', 'float16'):
+            raise ValueError(f"dtype={dt!r}: use float32, bfloat16 or float16")
+        if o.steps < 0 or o.warmup < 0 or o.rounds < 1 or o.threads < 0 or o.batch_size < 1:
+            raise ValueError("steps, warmup and threads must be >= 0, rounds and batch_size >= 1")
+        if o.steps and o.steps < o.rounds:
+            raise ValueError(f"steps={o.steps} < rounds={o.rounds}: every round needs a step; "
+                             f"raise --steps or lower --rounds")
+        cfg_kw = dict(n_layer=o.n_layer, n_embd=o.n_embd, n_head=o.n_head, n_kv_head=o.n_kv_head,
+                      block_size=o.block_size, vocab_size=o.vocab_size, hc_streams=o.hc_streams,
+                      attnres_blocks=o.attnres_blocks, batch_size=o.batch_size)
+        GPTConfig(**{k: v for k, v in cfg_kw.items() if k != 'batch_size'})  # validates the shape
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    print(f"bench: {', '.join(names)} + plain on {dev} ({dt}, compile={o.compile}, {torch.get_num_threads()} "
+          f"CPU threads), L={o.n_layer} d={o.n_embd} T={o.block_size} B={o.batch_size} V={o.vocab_size}, "
+          f"{o.steps} steps in {o.rounds} rounds, {o.warmup} warm-up")
+    rows = run(names, cfg_kw, dev, dt, o.compile, o.steps, o.warmup, o.rounds, o.hc_package, o.learning_rate, o.seed)
+    print(format_table(rows, dev.type))
+    if dev.type != 'cuda':
+        print("memory: bytes autograd saves for backward in one forward pass (the CPU allocator is not "
+              "tracked); MFU needs a known accelerator peak")
+    if o.out:
+        os.makedirs(os.path.dirname(o.out) or '.', exist_ok=True)
+        with open(o.out, 'w') as f:
+            json.dump(dict(config=c, dtype=dt, environment=environment(dev), rows=rows), f, indent=1)
+        print(f"wrote {o.out}")
+    return rows
+
+
+if __name__ == '__main__':
+    main()

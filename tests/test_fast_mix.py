@@ -1,0 +1,286 @@
+"""
+Tests of the memory-lean AttnRes depth mixing (residuals.DepthMixFunction behind
+residuals.depth_mix) and of bench.py: exact gradients against the plain autograd
+formula (depth_mix_reference), the saved-activation memory of Full AttnRes against
+Pre-LN (a check the stacked formula fails), and bench.py's PlainGPT as a fair plain
+reference (same parameters as Pre-LN, same loss for the same weights).
+Run: python -m pytest tests/test_fast_mix.py -q
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench  # noqa: E402
+import residuals  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from residuals import DepthMixFunction, depth_mix, depth_mix_reference  # noqa: E402
+
+
+def mix_inputs(n, B, T, d, dtype=torch.float64, seed=0, src_dtypes=None):
+    """n sources (B, T, d), their 1/rms (B, T, 1) perturbed so that gradients into them
+    matter, a nonzero query and a non-unit key gain; all require grad."""
+    g = torch.Generator().manual_seed(seed)
+    src_dtypes = src_dtypes or [dtype] * n
+    sources = [torch.randn(B, T, d, generator=g, dtype=torch.float64).to(dt).requires_grad_() for dt in src_dtypes]
+    inv = [(torch.rand(B, T, 1, generator=g, dtype=torch.float64) + 0.5).to(torch.promote_types(dtype, torch.float32))
+           .requires_grad_() for _ in range(n)]
+    query = (0.5 * torch.randn(d, generator=g, dtype=torch.float64)).to(torch.promote_types(dtype, torch.float32))
+    gain = (1 + 0.3 * torch.randn(d, generator=g, dtype=torch.float64)).to(query.dtype)
+    return sources, inv, query.requires_grad_(), gain.requires_grad_()
+
+
+def grads(fn, sources, inv, query, gain, weight_a=True):
+    """(z, a, gradients of every input) of a scalar loss that uses both outputs."""
+    for t in [*sources, *inv, query, gain]:
+        t.grad = None
+    z, a = fn(sources, inv, query, gain)
+    n = a.size(0)
+    loss = (z.double() * torch.linspace(-1, 1, z.size(-1), dtype=torch.float64)).square().sum()
+    if weight_a:  # a gradient into the weights too
+        loss = loss + (a.double() * torch.arange(1, n + 1, dtype=torch.float64).view(n, 1, 1)).sum()
+    loss.backward()
+    return [z.detach(), a.detach()] + [t.grad.detach().clone() for t in [*sources, *inv, query, gain]]
+
+
+# -----------------------------------------------------------------------------
+# the custom Function against the plain formula
+
+
+def test_gradcheck_float64():
+    sources, inv, query, gain = mix_inputs(n=3, B=2, T=3, d=4)
+    fn = lambda q, g, *t: DepthMixFunction.apply(q, g, *t)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (query, gain, *sources, *inv))
+
+
+def test_gradcheck_float64_partial_requires_grad():
+    """Sources that need no gradient (e.g. a frozen embedding) get none; the rest stay exact."""
+    sources, inv, query, gain = mix_inputs(n=4, B=1, T=2, d=3, seed=1)
+    sources[0].requires_grad_(False)
+    inv[2].requires_grad_(False)
+    fn = lambda q, g, *t: DepthMixFunction.apply(q, g, *t)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (query, gain, *sources, *inv))
+
+
+@pytest.mark.parametrize('n', [1, 2, 7])
+def test_equals_reference_float64(n):
+    inputs = mix_inputs(n=n, B=2, T=5, d=8, seed=n)
+    fast, ref = grads(depth_mix, *inputs), grads(depth_mix_reference, *inputs)
+    for got, want in zip(fast, ref):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert fast[1].shape == (n, 2, 5) and fast[1].dtype == torch.float64
+
+
+def test_equals_reference_float32():
+    inputs = mix_inputs(n=6, B=2, T=16, d=32, dtype=torch.float32, seed=3)
+    fast, ref = grads(depth_mix, *inputs), grads(depth_mix_reference, *inputs)
+    assert fast[0].dtype == torch.float32 and fast[1].dtype == torch.float32
+    for got, want in zip(fast, ref):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_close_to_reference_bf16_autocast():
+    """An fp32 embedding and bf16 sublayer outputs under CPU bf16 autocast, as in mixed
+    precision training: both implementations agree to bf16 precision, and every gradient
+    comes back in its input's dtype."""
+    dts = [torch.float32] + [torch.bfloat16] * 5
+    inputs = mix_inputs(n=6, B=2, T=16, d=32, dtype=torch.float32, seed=4, src_dtypes=dts)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        fast = grads(depth_mix, *inputs)
+        ref = grads(depth_mix_reference, *inputs)
+    sources, inv, query, gain = inputs
+    for t, gr in zip([*sources, *inv, query, gain], fast[2:]):
+        assert gr.dtype == t.dtype
+    for got, want in zip(fast, ref):
+        scale = want.float().abs().max()
+        assert (got.float() - want.float()).abs().max() <= 3e-2 * scale + 1e-3
+
+
+def test_mixing_is_a_softmax_average():
+    """Independent of the reference: with w = 0 every weight is 1/n and z the mean of the
+    sources; with one source z is that source."""
+    sources, inv, query, gain = mix_inputs(n=5, B=2, T=3, d=4)
+    z, a = depth_mix(sources, inv, torch.zeros_like(query), gain)
+    torch.testing.assert_close(a, torch.full_like(a, 0.2))
+    torch.testing.assert_close(z, torch.stack(sources).mean(0))
+    z1, a1 = depth_mix(sources[:1], inv[:1], query, gain)
+    torch.testing.assert_close(z1, sources[0])
+    assert torch.equal(a1, torch.ones_like(a1))
+
+
+def test_bad_arguments():
+    sources, inv, query, gain = mix_inputs(n=2, B=1, T=2, d=4)
+    with pytest.raises(ValueError, match='one 1/rms per source'):
+        depth_mix(sources, inv[:1], query, gain)
+    with pytest.raises(ValueError, match='at least one source'):
+        depth_mix([], [], query, gain)
+
+
+def saved_storages(fn, *args):
+    """{data_ptr: nbytes} of the storages autograd saves while running fn(*args)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return seen, out
+
+
+def test_one_read_saves_no_copy_of_the_sources():
+    """Beyond references to its inputs, a read saves n numbers per token (fp32), not the
+    (n, B, T, d) stack that the plain formula keeps."""
+    n, B, T, d = 6, 2, 8, 32
+    sources, inv, query, gain = mix_inputs(n=n, B=B, T=T, d=d, dtype=torch.float32)
+    inputs = {t.untyped_storage().data_ptr() for t in [*sources, *inv, query, gain]}
+    for fn, lo, hi in ((depth_mix, 0, n * B * T * 4), (depth_mix_reference, n * B * T * d * 4, None)):
+        seen, _ = saved_storages(fn, sources, inv, query, gain)
+        extra = sum(b for p, b in seen.items() if p not in inputs)
+        assert extra >= lo and (hi is None or extra <= hi), (fn.__name__, extra)
+
+
+# -----------------------------------------------------------------------------
+# activation memory of whole models (bench.saved_activation_bytes)
+
+MEM_SHAPE = dict(n_layer=8, n_embd=64, n_head=4, block_size=64, vocab_size=257)
+
+
+def saved_mib(residual):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MEM_SHAPE, residual=residual))
+    idx = torch.randint(0, 257, (2, 64))
+    return bench.saved_activation_bytes(model, idx, idx) / 2**20
+
+
+def test_attnres_activation_memory_near_preln(monkeypatch):
+    """Full AttnRes at L=8 saves at most 1.2x Pre-LN's activation bytes; the stacked
+    formula saves n copies per read and fails the same bound (so the check can fail)."""
+    preln, fast = saved_mib('preln'), saved_mib('attnres')
+    assert fast > preln            # the sources and their 1/rms do cost something
+    assert fast <= 1.2 * preln
+    monkeypatch.setattr(residuals, 'depth_mix', depth_mix_reference)
+    stacked = saved_mib('attnres')
+    assert stacked > 1.5 * preln
+
+
+def test_saved_activation_bytes_excludes_parameters():
+    """A bare linear map saves only its input (the weight is a parameter): B*T*d*4 bytes."""
+    lin = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+    model = lambda idx, targets: (None, lin(idx).sum())  # noqa: E731
+    model.parameters, model.buffers = lin.parameters, lin.buffers
+    assert bench.saved_activation_bytes(model, x, None) == 4 * 16 * 4
+
+
+# -----------------------------------------------------------------------------
+# bench.py's plain baseline
+
+
+@pytest.mark.parametrize('kw', [dict(n_layer=3, n_embd=64, n_head=4),
+                                dict(n_layer=2, n_embd=64, n_head=8, n_kv_head=2, ffn_hidden=80)],
+                         ids=['mha', 'gqa'])
+def test_plain_gpt_is_preln(kw):
+    """Same parameter count, and with Pre-LN's weights (every one perturbed, norms included)
+    the same logits and loss."""
+    cfg = GPTConfig(**kw, block_size=32, vocab_size=97)
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    plain = bench.PlainGPT(cfg)
+    assert plain.num_params() == gpt.num_params()
+    plain.load_state_dict(bench.plain_state_dict(gpt.state_dict()))  # strict: every tensor mapped
+    idx = torch.randint(0, 97, (2, 32))
+    logits, loss = gpt(idx, idx)
+    logits_p, loss_p = plain(idx, idx)
+    torch.testing.assert_close(logits_p, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_p, loss, rtol=1e-6, atol=1e-6)
+    assert plain.flops_per_token(32) == gpt.flops_per_token(32)
+
+
+def test_plain_state_dict_rejects_other_schemes():
+    gpt = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=8, vocab_size=11, residual='attnres'))
+    with pytest.raises(KeyError, match='Pre-LN'):
+        bench.plain_state_dict(gpt.state_dict())
+
+
+# -----------------------------------------------------------------------------
+# bench.py end to end (tiny, CPU)
+
+TINY = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=2', '--device=cpu',
+        '--warmup=1', '--steps=2', '--rounds=2', '--compile=False']
+
+
+def test_bench_runs_and_writes_json(tmp_path, capsys):
+    out = tmp_path / 'bench.json'
+    rows = bench.main(['--schemes=attnres'] + TINY + [f'--out={out}'])
+    byname = {r['name']: r for r in rows}
+    assert list(byname) == ['preln', 'attnres', 'plain']          # Pre-LN added, plain always there
+    assert byname['preln']['train_vs_preln'] == 1.0                # paired ratios against itself
+    assert byname['plain']['params'] == byname['preln']['params']
+    att = byname['attnres']
+    L, d, T = 2, 32, 16
+    from cost import forward_flops
+    base = forward_flops(L, d, T, n_head=2, vocab_size=257, logits='all')
+    assert att['delta_f_over_f'] == pytest.approx(4 * T * d * L * (2 * L + 3) / base)  # DESIGN §8
+    assert att['target'] == pytest.approx((1 + att['delta_f_over_f']) * 1.25)
+    assert att['pass_train'] == (att['train_vs_preln'] <= att['target'])
+    assert byname['preln']['target'] == 1.0 and byname['preln']['target_vs'] == 'plain'
+    assert len(att['train_ms_rounds']) == 2 and all(t > 0 for t in att['train_ms_rounds'])
+    assert att['mfu'] is None                                      # CPU: no peak, no MFU
+    assert att['saved_bytes'] > byname['preln']['saved_bytes']
+    saved = json.loads(out.read_text())
+    assert saved['config']['schemes'] == 'attnres' and saved['rows'][1]['name'] == 'attnres'
+    assert 'attnres' in capsys.readouterr().out
+    assert bench.schemes == 'preln,attnres'                        # defaults untouched
+
+
+@pytest.mark.parametrize('arg, msg', [('--schemes=nope', 'unknown scheme'),
+                                      ('--rounds=0', 'rounds'),
+                                      ('--n_head=3', 'divisible')])
+def test_bench_user_errors(arg, msg):
+    with pytest.raises(SystemExit) as e:
+        bench.main(TINY + [arg])
+    assert msg in str(e.value) and str(e.value).startswith('error:')
+
+
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_compiled_attnres_one_graph_same_gradients():
+    """torch.compile of a whole AttnRes model traces the custom Function into one graph
+    (no graph break, no recompile across the reads of different lengths) and gives the
+    eager gradients."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=31, residual='attnres')
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for layer in model.residual.layers:
+            layer.mlp_mix.query.normal_()
+            layer.out_mix.query.normal_()
+    idx = torch.randint(0, 31, (2, 16))
+    _, loss = model(idx, idx)
+    loss.backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, backend='aot_eager')
+    for _ in range(2):
+        model.zero_grad()
+        _, loss_c = compiled(idx, idx)
+        loss_c.backward()
+    assert counters['stats']['unique_graphs'] == 1
+    assert sum(counters['graph_break'].values()) == 0
+    torch.testing.assert_close(loss_c, loss)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, eager[n], rtol=1e-4, atol=1e-6)
