@@ -35,9 +35,7 @@ boundary. With --compile=True, graphs compiled after warm-up are counted as reco
 (target 0). Results, with the command, versions and hardware, go to `out` as JSON.
 """
 
-import importlib.util
 import json
-import math
 import os
 import platform
 import statistics
@@ -45,7 +43,6 @@ import sys
 import time
 import types
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import torch
 import torch.nn as nn
@@ -280,8 +277,12 @@ def graph_counts():
     return counters['stats']['unique_graphs'], sum(counters['graph_break'].values())
 
 
-def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg, lr, seed_, log=print):
-    """Builds, warms up and times every model; returns the results dict (see main for the JSON)."""
+def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg, lr, seed_, log=None):
+    """Builds the schemes `names` (Pre-LN first), PlainGPT and, with hc_pkg, the package's HC in
+    PlainGPT; measures memory, warms up (compiles) and times them in interleaved rounds.
+    cfg_kw: GPTConfig fields plus batch_size. Returns one dict per model (the JSON rows):
+    times in ms (median over rounds, and per round), tokens/s, bytes, ratios, targets."""
+    log = log or (lambda *a: print(*a, flush=True))  # progress lines, unbuffered even into a file
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype_name]
     ctx = nullcontext() if dtype_name == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
     B, T = cfg_kw['batch_size'], cfg_kw['block_size']
@@ -291,6 +292,12 @@ def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg,
     x, y = idx[:, :-1].contiguous().to(dev), idx[:, 1:].contiguous().to(dev)
 
     entries = []
+    if compile_:  # every GPT shares GPT.forward's code: one cache entry per model and grad mode
+        import torch._dynamo.config as dynamo_config
+        for limit in ('recompile_limit', 'cache_size_limit', 'accumulated_recompile_limit',
+                      'accumulated_cache_size_limit'):
+            if hasattr(dynamo_config, limit):
+                setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 4 * (len(names) + 2)))
 
     def add(name, kind, model, cfg):
         model.to(dev)
@@ -306,13 +313,13 @@ def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg,
     plain_cfg = GPTConfig(**gcfg)
     add('plain', 'plain', PlainGPT(plain_cfg), plain_cfg)
     byname = {e.name: e for e in entries}
-    if byname['plain'].model.num_params() != byname['preln'].model.num_params():
-        raise AssertionError("PlainGPT and Pre-LN differ in parameter count")
+    assert byname['plain'].model.num_params() == byname['preln'].model.num_params(), \
+        "PlainGPT must have exactly Pre-LN's parameters"
     if hc_pkg:
+        from importlib.metadata import PackageNotFoundError, version
         try:
-            from importlib.metadata import version
             pkg_version = version('hyper-connections')
-        except Exception:
+        except PackageNotFoundError:
             pkg_version = None
         if pkg_version is None:
             log(f"hc_package: hyper-connections is not installed (pip install hyper-connections=="
@@ -380,6 +387,14 @@ def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg,
         a, b = getattr(e, store), getattr(ref, store)
         return statistics.median(x / y for x, y in zip(a, b)) if a else None
 
+    def spread(e, ref, store):
+        """Half the interquartile range of the per-round ratios e / ref: the run's noise."""
+        ratios = [x / y for x, y in zip(getattr(e, store), getattr(ref, store))]
+        if len(ratios) < 2:
+            return None
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        return (q3 - q1) / 2
+
     preln, plain = byname['preln'], byname['plain']
     rows = []
     for e in entries:
@@ -407,6 +422,8 @@ def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg,
             ref = 'plain' if e.name == 'preln' else 'preln'
             row['pass_train'] = row[f'train_vs_{ref}'] <= row['target']
             row['pass_prefill'] = row[f'prefill_vs_{ref}'] <= row['target']
+            row['train_ratio_noise'] = spread(e, byname[ref], 'train_s')
+            row['prefill_ratio_noise'] = spread(e, byname[ref], 'prefill_s')
         if e.kind == 'package' and 'hc' in byname and row['train_ms']:
             row['hc_vs_package_train'] = paired(byname['hc'], e, 'train_s')
             row['hc_vs_package_prefill'] = paired(byname['hc'], e, 'prefill_s')
@@ -441,6 +458,10 @@ def format_table(rows, device_type):
     lines.append("ratios: time of the row / time of Pre-LN (xPreLN) or of PlainGPT (xplain), median over rounds; "
                  "'xPreLN' under memory: " + ("CUDA peak" if device_type == 'cuda' else "saved-activation bytes")
                  + " ratio; target applies to time (Pre-LN against plain, others against Pre-LN)")
+    noise = [r[k] for r in rows for k in ('train_ratio_noise', 'prefill_ratio_noise') if r.get(k) is not None]
+    if noise:
+        lines.append(f"noise: half the interquartile range of the per-round ratios is {statistics.median(noise):.1%} "
+                     f"(median over rows; max {max(noise):.1%}); a verdict closer than that to its target is a toss-up")
     return '\n'.join(lines)
 
 

@@ -44,8 +44,8 @@ HEADLINE = ('preln', 'attnres', 'hc')  # the three schemes of the headline compa
 SCHEME_LR = {
     'preln': 2e-3, 'sandwich': 2e-3, 'keel': 2e-3, 'hc': 2e-3, 'mhc': 2e-3,
     'attnres': 2e-3, 'blockattnres': 2e-3, 'moda': 2e-3,
-    'deepnorm': 1e-3,  # Post-LN family: the study halves the peak LR
-    'lns': 1e-2,       # LN-scaling shrinks every branch input by 1/sqrt(l), so a larger step
+    'deepnorm': 1e-3,  # the study's values for the two exceptions
+    'lns': 1e-2,
     # classic schemes outside the study's ten: not tuned by it, the common default
     'postln': 2e-3, 'rezero': 2e-3, 'layerscale': 2e-3, 'resdual': 2e-3,
 }
@@ -202,12 +202,16 @@ ONEPOINTSIX_SHAPES = ((28, 2048), (40, 1728), (54, 1504))
 # held at that of L=4, d=128 (803,840 parameters); L in {2, 4, 8} gives d = 176, 128,
 # 96 (d/L = 88, 32, 12, a span like the main family's 76 -> 9); 4 heads everywhere so
 # head_dim = d/4 >= 16. Byte-level text (vocab 257), T = 256, float32 on the CPU.
-# Budget: the 9 runs in about an hour on 2 cores. Measured with train.py on 2 cores
-# (tokens/s incl. eval): see MINI_TOKENS_PER_PARAM; every run sees
-# MINI_TOKENS_PER_PARAM x backbone tokens, i.e. max_iters = that / 4,096 tokens per step.
+# Budget: the 9 runs in about an hour on 2 cores, so every run sees
+# MINI_TOKENS_PER_PARAM = 4 tokens per backbone parameter (≈3.2M tokens, ≈800 steps
+# of 4,096 tokens). The arithmetic: preln L=4 trains at ≈15k tokens/s on 2 idle cores
+# (0.27 s per step); relative step costs measured with the model on one thread are
+# preln L=2/4/8 ≈ 0.9/1.0/1.3 and attnres ≈ 1.0/1.45/2.2, hc taken as ≈1.3x preln;
+# sum over the 9 runs ≈ 9,700 preln-L4 steps ≈ 45 min, plus 6 evaluations of 20
+# batches per run and start-up ≈ 50 min. Scale MINI_TOKENS_PER_PARAM with your machine.
 MINI_DEPTHS = (2, 4, 8)
 MINI_BACKBONE = backbone_params(4, 128, n_head=4)
-MINI_TOKENS_PER_PARAM = 5.0
+MINI_TOKENS_PER_PARAM = 4.0
 MINI_BATCH = dict(block_size=256, batch_size=16, gradient_accumulation_steps=1)  # 4,096 tokens per step
 
 
@@ -246,7 +250,8 @@ FAMILIES = {f.name: f for f in (
            # same 512-sequence global batch, smaller micro-batch for the 1.6B models' activations
            base=dict(batch_size=4, gradient_accumulation_steps=128),
            learning_rate=5e-4),
-    Family('mini', 'mini-DepthBench: CPU fixed backbone ≈0.8M, byte-level text, T=256',
+    Family('mini', 'CPU fixed backbone ≈0.8M, byte-level text, T=256, '
+                   f'{MINI_TOKENS_PER_PARAM:g} tokens per backbone parameter',
            shapes=_mini_shapes(),
            base=dict(dataset='fineweb_edu_byte', **MINI_BATCH, eval_iters=20, log_interval=10,
                      device='cpu', dtype='float32', compile=False),

@@ -692,14 +692,15 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
 
 
 @torch.no_grad()
-def domain_nll(model, enc, eval_dir=evals.EVAL_DIR, batch_size=8, tasks=evals.NLL_TASKS, progress=False):
+def domain_nll(model, enc, eval_dir=evals.EVAL_DIR, batch_size=8, tasks=evals.NLL_TASKS, progress=False, limit=None):
     """Completion-only NLL per task and category (Fig. 4, probes.md §8) via evals.domain_nll:
     nats per answer token, token-weighted per task; category 'nll' = unweighted mean of its
     tasks, 'nll_pooled' = token-weighted. Context limit = the model's block_size (left
     truncation). Absent tasks are skipped with a notice and listed in 'skipped'.
+    limit: score only the first `limit` examples of each task (quick runs).
     Raises FileNotFoundError if no task file exists in eval_dir."""
     model.eval()
-    data = evals.load_tasks(tasks, eval_dir)
+    data = {t: items[:limit or None] for t, items in evals.load_tasks(tasks, eval_dir).items()}
     if not data:
         raise FileNotFoundError(f"no domain-NLL task in {eval_dir}; run `python data/evals/prepare.py`")
     for t in tasks:
@@ -799,7 +800,7 @@ def probe_checkpoint(ckpt_path, metrics, args):
                     skip(metric, f"no domain-NLL task in {args.eval_dir}; run `python data/evals/prepare.py`")
                     continue
                 out[metric] = domain_nll(model, get_tokenizer(tok_name), args.eval_dir,
-                                         batch_size=args.eval_batch_size, progress=True)
+                                         batch_size=args.eval_batch_size, progress=True, limit=args.nll_limit)
         _report(metric, out.get(metric))
     if 'causal' in out or 'permutation' in out:
         out['late_pairs'] = late_pair_ratio(out.get('causal', {}).get('C'), out.get('permutation', {}).get('P'),
@@ -889,6 +890,7 @@ def main(argv=None):
     p.add_argument('--eval_dir', default=str(evals.EVAL_DIR))
     p.add_argument('--eval_batch_size', type=int, default=8)
     p.add_argument('--arc_limit', type=int, default=None, help="score only the first N ARC-Easy questions")
+    p.add_argument('--nll_limit', type=int, default=None, help="score only the first N examples of each NLL task")
     p.add_argument('--perm_late_only', action='store_true', help="swap only late pairs (enough for R_perm)")
     p.add_argument('--n_boot', type=int, default=1000)
     p.add_argument('--causal_threshold', type=float, default=CAUSAL_THRESHOLD)

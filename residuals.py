@@ -32,6 +32,7 @@ weights) are recorded while a `trace()` is active:
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -198,6 +199,7 @@ class DepthMixFunction(torch.autograd.Function):
         return z.to(dtype), a
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # r is saved, not recomputed: no double backward
     def backward(ctx, gz, ga):
         query, key_gain, r, *tensors = ctx.saved_tensors
         n = len(tensors) // 2
@@ -342,6 +344,467 @@ class AttnRes(Residual):
 
     def lens(self, state):
         return state[2]
+
+
+# ---- Hyper-Connections -------------------------------------------------------
+# HC and mHC: m residual streams, read / mixed / written by per-token coefficients.
+
+def no_autocast(x):
+    """Context in which autocast is off on x's device, so that routing math runs in the
+    dtype its inputs are given in (the streams' dtype, or fp32 where a scheme casts)."""
+    return torch.autocast(device_type=x.device.type, enabled=False)
+
+
+def sinkhorn(logits, iters):
+    """Sinkhorn-Knopp projection of exp(logits) towards a doubly stochastic matrix (mHC,
+    arXiv 2512.24880): `iters` rounds of row then column normalisation.
+
+    logits: (..., m, m), any float dtype, finite. Returns P (..., m, m), fp32 (fp64 for fp64
+    logits), non-negative, with columns summing to 1 (the last step) and rows approximately:
+    Sinkhorn converges at a rate set by the spread of the logits, and 20 rounds reach 1e-3
+    for logits within about +-2 of a row/column rescaling, not for arbitrary ones.
+    Numerics, autocast off: the first round runs in the log domain (log_softmax over rows,
+    softmax over columns), which leaves every row and column sum in [1/m^2, m] whatever the
+    logits' range (+-50 included); the other rounds divide by sums that are therefore never
+    small, and entries too small for fp32 underflow to 0 harmlessly.
+    Raises ValueError for non-square logits or iters < 1."""
+    if logits.dim() < 2 or logits.size(-1) != logits.size(-2):
+        raise ValueError(f"sinkhorn needs square (..., m, m) logits, got shape {tuple(logits.shape)}")
+    if iters < 1:
+        raise ValueError(f"sinkhorn needs iters >= 1, got {iters} (mhc_sinkhorn_iters)")
+    return sinkhorn_leading(logits.movedim((-2, -1), (0, 1)), iters).movedim((0, 1), (-2, -1))
+
+
+def sinkhorn_leading(logits, iters):
+    """`sinkhorn` on matrices laid out along the two leading dims: (m, m, ...) -> (m, m, ...).
+    The row and column sums then add whole vectors of tokens, several times faster on CPU
+    than reducing over two trailing dims of size m."""
+    with no_autocast(logits):
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32)).contiguous()  # fp32 (fp64 stays)
+        P = torch.softmax(torch.log_softmax(z, dim=1), dim=0)  # round 1 in the log domain
+        return SinkhornRounds.apply(P, iters - 1) if iters > 1 else P
+
+
+class SinkhornRounds(torch.autograd.Function):
+    """`iters` rounds of P <- P / rowsum(P), P <- P / colsum(P) on P (m, m, ...) > 0, with
+    a hand-written backward (per step y = P / s: dP = (dy - sum(dy * y)) / s) that keeps
+    the gradient in the (m, m, ...) layout; autograd's would run 4 x iters small ops on
+    whatever layout the incoming gradient has."""
+
+    @staticmethod
+    def forward(ctx, P, iters):
+        steps = []
+        for _ in range(iters):
+            for dim in (1, 0):                                 # rows, then columns
+                s = P.sum(dim, keepdim=True)
+                P = P / s
+                steps += [P, s]
+        ctx.save_for_backward(*steps)
+        return P
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.contiguous()
+        steps = ctx.saved_tensors
+        for i in reversed(range(0, len(steps), 2)):
+            y, s = steps[i], steps[i + 1]
+            dim = 1 if i % 4 == 0 else 0
+            g = (g - (g * y).sum(dim, keepdim=True)) / s
+        return g, None
+
+
+class NormedProjection(torch.autograd.Function):
+    """P = Wt RMS(x)^T for every row x of X, RMS(x) = x / sqrt(mean(x^2) + eps) (no weight):
+    X (..., n), Wt (c, n) -> P (c, ...), coefficient-major (each coefficient a contiguous row
+    of tokens; a (tokens, n) @ (n, c) product with so few columns is several times slower
+    on CPU). Call as NormedProjection.apply(X, Wt, eps). The HC/mHC routing projection:
+    tanh(H_bar W) reads it per stream, mHC's x' phi per token.
+
+    Hand-written backward (autograd's keeps extra (..., n)-sized temporaries and writes
+    the gradient of X twice): with Q = Wt x^T and s = 1/rms(x), P = Q s and
+        gQ = gP s,   gx = gQ^T Wt - (sum_c gP Q) s^3 x / n,   gWt = gQ X."""
+
+    @staticmethod
+    def forward(ctx, X, Wt, eps):
+        n = X.size(-1)
+        X2 = X.reshape(-1, n)                                  # (N, n)
+        s = torch.rsqrt(torch.linalg.vector_norm(X2, dim=-1).square() / n + eps)  # (N,) 1/rms
+        Q = Wt @ X2.t()                                        # (c, N)
+        ctx.save_for_backward(X, Wt, Q, s)
+        return (Q * s).view(-1, *X.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, gP):
+        X, Wt, Q, s = ctx.saved_tensors
+        n = X.size(-1)
+        X2 = X.reshape(-1, n)
+        gP = gP.reshape(Q.shape)
+        gQ = gP * s                                            # (c, N)
+        gX = gWt = None
+        if ctx.needs_input_grad[0]:
+            gX = gQ.t() @ Wt                                   # (N, n)
+            gX.addcmul_(X2, (-(gP * Q).sum(0) * s.pow(3) / n).unsqueeze(-1))
+            gX = gX.view(X.shape)
+        if ctx.needs_input_grad[1]:
+            gWt = gQ @ X2                                      # (c, n)
+        return gX, gWt, None
+
+
+class RoutedLayer(PreNormLayer):
+    """Block b of HC/mHC: the two pre-norms and the routing parameters of its attention
+    (`attn_route`) and MLP (`mlp_route`) sublayers."""
+
+    def __init__(self, cfg, route):
+        super().__init__(cfg)
+        self.attn_route = route(cfg)
+        self.mlp_route = route(cfg)
+
+
+class MultiStream(Residual):
+    """Base of the m-stream schemes (HC, mHC). State: H (B, T, m, d), m = cfg.hc_streams.
+
+    Per sublayer the subclass computes, per token, a read vector r (m), a mixing matrix
+    M (m x m) and a write vector w (m) from the streams, and then
+
+        x = sum_s r[s] H[s],   y = F(RMSNorm(x)),   H'[t] = sum_s M[s, t] H[s] + w[t] y
+
+    (RMSNorm = the sublayer's ordinary pre-norm attn_norm / mlp_norm). Read and mix are one
+    batched matmul [r | M]^T H. The embedding is copied into every stream; the readout is
+    the sum of the streams. probe = the m streams concatenated (B, T, m d), lens = their
+    sum (B, T, d) (probes.md §0, §5); skip = identity on all streams, no mixing and no
+    write (probes.md §2). Trace per sublayer: read r (B, T, m), mix M (B, T, m, m) with
+    new stream t = sum_s M[s, t] H[s], write w (B, T, m).
+
+    The routing runs with autocast off, in the streams' dtype (fp32 under bf16 autocast,
+    as Pre-LN's residual stream is); only the branch F runs under autocast.
+    """
+
+    def __init__(self, cfg, route):
+        super().__init__(cfg)
+        if cfg.hc_streams < 1:
+            raise ValueError(f"hc_streams must be >= 1, got {cfg.hc_streams}")
+        self.m = cfg.hc_streams
+        self.layers = nn.ModuleList([RoutedLayer(cfg, route) for _ in range(cfg.n_layer)])
+
+    def routes(self):
+        """(k, route) for every sublayer, k = 2b + j the 0-based sublayer index."""
+        for b, p in enumerate(self.layers):
+            yield 2 * b, p.attn_route
+            yield 2 * b + 1, p.mlp_route
+
+    @torch.no_grad()
+    def init_weights(self, model):
+        super().init_weights(model)
+        if self.cfg.hc_out_init_scale:  # the study's config: the m streams each receive the branch output
+            for blk in model.blocks:
+                blk.attn.wo.weight.div_(math.sqrt(self.m))
+                blk.mlp.w_down.weight.div_(math.sqrt(self.m))
+
+    def coefficients(self, H, route):
+        """H (B, T, m, d) -> C = [r | M] (B, T, m, m+1) and w (B, T, m)."""
+        raise NotImplementedError
+
+    def sublayer(self, H, b, j, route, norm, f):
+        C, w = self.coefficients(H, route)                      # (B, T, m, m+1), (B, T, m)
+        self.record(b, j, read=C[..., 0], mix=C[..., 1:], write=w)
+        with no_autocast(H):
+            Ct = C.transpose(-1, -2).contiguous()                # (B, T, m+1, m); contiguous: bmm's fast path
+            x, mixed = (Ct @ H.to(C.dtype)).split([1, self.m], dim=-2)  # (B, T, 1 | m, d)
+        y = f(norm(x.squeeze(-2).to(H.dtype)))                   # (B, T, d)
+        return torch.addcmul(mixed, w.unsqueeze(-1), y.unsqueeze(-2)).to(H.dtype)  # (B, T, m, d)
+
+    def begin(self, x):
+        return x.unsqueeze(-2).repeat(1, 1, self.m, 1)        # (B, T, m, d), m copies of the embedding
+
+    def block(self, H, b, layer, rope):
+        p = self.layers[b]
+        H = self.sublayer(H, b, 0, p.attn_route, p.attn_norm, lambda x: layer.attn(x, rope))
+        return self.sublayer(H, b, 1, p.mlp_route, p.mlp_norm, layer.mlp)
+
+    def end(self, H):
+        return H.sum(-2)                                        # (B, T, d)
+
+    def probe(self, H):
+        return H.flatten(-2)                                    # (B, T, m d)
+
+    def lens(self, H):
+        return H.sum(-2)                                        # (B, T, d)
+
+
+class HCRoute(nn.Module):
+    """Routing parameters of one HC sublayer: static [A_m | A_r] (m, m+1) and beta (m),
+    dynamic projections W (d, m+1) and w_beta (d), scalar scales s_alpha, s_beta."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        m, d = cfg.hc_streams, cfg.n_embd
+        self.static_alpha = nn.Parameter(torch.zeros(m, m + 1))
+        self.static_beta = nn.Parameter(torch.ones(m))
+        self.dynamic_alpha = nn.Parameter(torch.zeros(d, m + 1))
+        self.dynamic_beta = nn.Parameter(torch.zeros(d))
+        self.alpha_scale = nn.Parameter(torch.tensor(0.01))
+        self.beta_scale = nn.Parameter(torch.tensor(0.01))
+
+
+class HC(MultiStream):
+    """Hyper-Connections (Zhu et al., arXiv 2409.19606, dynamic variant; schemes.md "HC").
+
+    m streams H (B, T, m, d). Sublayer k, with H_bar = RMS(H) per stream (no weight, eps 1e-8):
+
+        [A_m | A_r] = static_alpha + s_alpha * tanh(H_bar W)      (m, m+1) per token
+        beta        = static_beta  + s_beta  * tanh(H_bar w_beta) (m)
+        x = A_m^T H,   f = F(RMSNorm(x)),   H' = A_r^T H + beta (x) f
+
+    The coefficients come from the normalised streams but multiply the raw ones; W and
+    w_beta are one fused (d, m+2) projection. Init: A_m = one-hot e_{k mod m} (k = 2b + j,
+    chosen from the block index so that it travels with the block on a swap), A_r = I,
+    beta = 1, W = w_beta = 0, s_alpha = s_beta = 0.01: every stream then equals Pre-LN's h,
+    and the summed readout m h equals it after the final RMSNorm. Optional
+    (cfg.hc_out_init_scale, the study's config): attention-out and SwiGLU-down init / sqrt(m).
+    Extra parameters per sublayer: m(m+1) + d(m+1) + 1 + m + d + 1 = (m+2)(m+d) + 2.
+    Weight decay: the static routing parameters are exempt, the dynamic projections decay.
+
+    Differences from the study's code: A_r is applied (one public version of
+    `hyper_connections.py` computed it and dropped it, probes.md §7; the later one applies
+    it, as here); the routing runs in the streams' dtype with autocast off, so under bf16
+    autocast the streams stay fp32 (the study's einsum would run in bf16 there).
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg, HCRoute)
+
+    @torch.no_grad()
+    def init_weights(self, model):
+        super().init_weights(model)
+        m = self.m
+        for k, r in self.routes():
+            r.static_alpha.zero_()
+            r.static_alpha[k % m, 0] = 1.0                      # A_m: read stream k mod m
+            r.static_alpha[:, 1:] = torch.eye(m)                # A_r: identity
+            r.static_beta.fill_(1.0)
+            r.dynamic_alpha.zero_()
+            r.dynamic_beta.zero_()
+            r.alpha_scale.fill_(0.01)
+            r.beta_scale.fill_(0.01)
+
+    def no_weight_decay(self):
+        return {f'layers.{b}.{s}_route.{n}' for b in range(len(self.layers))
+                for s in ('attn', 'mlp') for n in ('static_alpha', 'static_beta')}
+
+    def coefficients(self, H, r):
+        B, T, m, d = H.shape
+        with no_autocast(H):
+            Wt = torch.cat([r.dynamic_alpha.t(), r.dynamic_beta.unsqueeze(0)]).to(H.dtype)  # [W | w_beta]^T (m+2, d)
+            dyn = torch.tanh(NormedProjection.apply(H, Wt, 1e-8))  # tanh(H_bar [W | w_beta]) (m+2, B, T, m)
+            C = r.static_alpha + r.alpha_scale * dyn[:m + 1].permute(1, 2, 3, 0)  # (B, T, m, m+1) = [A_m | A_r]
+            w = r.static_beta + r.beta_scale * dyn[m + 1]                            # (B, T, m)
+        return C.to(H.dtype), w.to(H.dtype)
+
+
+class MHCRoute(nn.Module):
+    """Routing parameters of one mHC sublayer: projection phi (m d, m^2 + 2m) and bias
+    (m^2 + 2m), columns [pre (m) | post (m) | res (m^2, row-major)], and the scalar gates
+    alpha_pre, alpha_post, alpha_res."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        m, d = cfg.hc_streams, cfg.n_embd
+        self.phi = nn.Parameter(torch.zeros(m * d, m * m + 2 * m))
+        self.bias = nn.Parameter(torch.zeros(m * m + 2 * m))
+        self.alpha_pre = nn.Parameter(torch.tensor(0.01))
+        self.alpha_post = nn.Parameter(torch.tensor(0.01))
+        self.alpha_res = nn.Parameter(torch.tensor(0.01))
+
+
+class MHC(MultiStream):
+    """Manifold-Constrained Hyper-Connections (DeepSeek, arXiv 2512.24880; schemes.md "mHC").
+
+    m streams H (B, T, m, d). Sublayer k, with x' = RMS(vec H) (one statistic over all m d
+    numbers, no weight, eps cfg.norm_eps) and [l_pre | l_post | l_res] = x' phi (no tanh):
+
+        H_pre  = sigmoid(alpha_pre * l_pre + b_pre)                  (m)
+        H_post = 2 sigmoid(alpha_post * l_post + b_post)             (m)
+        H_res  = Sinkhorn(alpha_res * mat(l_res) + b_res)            (m x m), cfg.mhc_sinkhorn_iters rounds
+        u = sum_i H_pre[i] H[i],  f = F(RMSNorm(u)),  H'[j] = sum_i H_res[i, j] H[i] + H_post[j] f
+
+    All routing math (RMS, projection, gates, Sinkhorn, the read and mix) in fp32 with
+    autocast off. Readout: sum of the streams (the mean would be identical after the final
+    RMSNorm, up to its eps). Init cfg.mhc_init: 'gap8' (the study's text): phi = 0,
+    b_pre = +8 on stream k mod m and -8 elsewhere, b_res = +8 on the diagonal and -8 off
+    it, b_post = 0, so H_res ~ I, H_post = 1; or 'uniform': phi ~ N(0, 0.02^2), b = 0
+    (H_res ~ uniform, H_pre ~ 0.5, H_post ~ 1). Gates 0.01. Extra parameters per sublayer:
+    (m d + 1)(m^2 + 2m) + 3. Weight decay: phi decays, biases and gates do not.
+
+    Differences from the study's code: its default (Liger) backend puts the bias inside
+    the gate, Sinkhorn(alpha_res (x' phi_res + b_res)), and its plain-PyTorch backend puts
+    a tanh on x' phi; we follow the paper's alpha x' phi + b (the same under the uniform
+    init, where b = 0, up to that tanh). The eps of RMS(vec H) is cfg.norm_eps (1e-6, the
+    Liger backend's; the PyTorch backend uses 1e-8). Sinkhorn: same row-then-column
+    rounds, first round in the log domain (`sinkhorn`).
+    """
+
+    def __init__(self, cfg):
+        if cfg.mhc_init not in ('gap8', 'uniform'):
+            raise ValueError(f"mhc_init must be 'gap8' or 'uniform', got {cfg.mhc_init!r}")
+        if cfg.mhc_sinkhorn_iters < 1:
+            raise ValueError(f"mhc_sinkhorn_iters must be >= 1, got {cfg.mhc_sinkhorn_iters}")
+        super().__init__(cfg, MHCRoute)
+
+    @torch.no_grad()
+    def init_weights(self, model):
+        super().init_weights(model)
+        m = self.m
+        for k, r in self.routes():
+            for g in (r.alpha_pre, r.alpha_post, r.alpha_res):
+                g.fill_(0.01)
+            r.bias.zero_()
+            if self.cfg.mhc_init == 'gap8':
+                r.phi.zero_()
+                b_pre, b_res = r.bias[:m], r.bias[2 * m:].view(m, m)
+                b_pre.fill_(-8.0)
+                b_pre[k % m] = 8.0
+                b_res.fill_(-8.0).fill_diagonal_(8.0)
+            else:
+                nn.init.normal_(r.phi, std=0.02)
+
+    def no_weight_decay(self):
+        return {f'layers.{b}.{s}_route.bias' for b in range(len(self.layers)) for s in ('attn', 'mlp')}
+
+    def coefficients(self, H, r):
+        B, T, m, d = H.shape
+        with no_autocast(H):
+            x = H.float().reshape(B, T, m * d)                                       # vec(H) per token
+            logits = NormedProjection.apply(x, r.phi.t().float(), self.cfg.norm_eps)  # x' phi (m^2 + 2m, B, T)
+            gate = torch.cat([r.alpha_pre.expand(m), r.alpha_post.expand(m), r.alpha_res.expand(m * m)])
+            logits = logits * gate.float().view(-1, 1, 1) + r.bias.float().view(-1, 1, 1)   # alpha x' phi + b
+            pre, post, res = logits.split([m, m, m * m])
+            H_res = sinkhorn_leading(res.view(m, m, B, T), self.cfg.mhc_sinkhorn_iters)  # (m, m, B, T)
+            C = torch.cat([torch.sigmoid(pre).unsqueeze(1), H_res], dim=1)          # (m, m+1, B, T): [H_pre | H_res]
+        return C.permute(2, 3, 0, 1), 2 * torch.sigmoid(post).permute(1, 2, 0)    # (B, T, m, m+1), (B, T, m) fp32
+
+
+# ---- Block AttnRes -----------------------------------------------------------
+
+class BlockState(NamedTuple):
+    """State of Block AttnRes between blocks (never modified in place)."""
+    sources: tuple            # v_0 = embedding, then the frozen block sums, each (B, T, d)
+    inv_rmses: tuple          # their 1/rms (B, T, 1), computed once per source
+    partial: torch.Tensor | None  # running sum of the current AttnRes block's outputs (None: empty)
+    k: int                    # 0-based index of the next sublayer, the one that reads `mix`
+    mix: torch.Tensor         # the raw depth mix sublayer k reads (B, T, d)
+    boundary: bool            # whether that read is at an AttnRes-block boundary
+
+
+class BlockAttnRes(AttnRes):
+    """Block Attention Residuals (arXiv 2603.15031; DESIGN §4, schemes.md "Block AttnRes").
+
+    As Full AttnRes (same parameters: a zero-init pseudo-query and a key-norm gain per
+    read, same `depth_mix`), but the sources are block sums. The 2L sublayers form
+    cfg.attnres_blocks AttnRes blocks of S = 2L / attnres_blocks sublayers. At sublayer k
+    with k % S == 0 and k > 0 the running partial sum P (every output added since the last
+    boundary) is frozen as a new source before sublayer k's input is computed; sublayer
+    k's own output then starts the next partial sum. Sublayer k reads
+
+        z_k = sum_i a_ki v_i over v in [embedding, frozen block sums..., P if non-empty],
+        f_k = F_k(RMSNorm_pre,k(z_k)),   P <- P + f_k
+
+    and the final aggregator reads the same way at k = 2L (always a boundary). S = 1 is
+    exactly Full AttnRes. With fewer sublayers than attnres_blocks (2L < attnres_blocks,
+    tiny test models) every sublayer is its own block (S = 1); otherwise 2L must be a
+    multiple of attnres_blocks. Partial sums accumulate in the embedding's dtype (fp32
+    under autocast, as Pre-LN's residual stream).
+
+    Boundaries are positions in the run: k counts the sublayers of the blocks run or
+    skipped so far, so a swapped block uses the boundaries of the place it runs in (the
+    architecture stays fixed, probes.md §3) and a dropped block shifts later positions.
+
+    probe z_l (probes.md §0): the raw mix of block l's attention read when that read is
+    a boundary, else the running partial sum (the plain block output; the mix if the
+    partial sum is empty, which only a skip can cause). lens: the raw mix of block l's
+    attention read, for every block (probes.md §5). Trace per read: `weights`
+    (n_sources, B, T) and `current` (index of P among the sources, -1 if not among them).
+
+    Skip (probes.md §2, adapted): the skipped block adds nothing and passes P through;
+    the boundaries inside it still freeze P. If the next read is a boundary it becomes
+    the identity on the newest source (the next-output rule); otherwise it is the usual
+    mix (with the skipped block's output-side mixer, which in the study's layout is the
+    next block's input mixer) over the unchanged sources. With S = 1 this is Full
+    AttnRes's skip rule exactly.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        n_sub = 2 * cfg.n_layer
+        if cfg.attnres_blocks < 1:
+            raise ValueError(f"attnres_blocks must be >= 1, got {cfg.attnres_blocks}")
+        n_blocks = min(cfg.attnres_blocks, n_sub)
+        if n_sub % n_blocks:
+            raise ValueError(f"Block AttnRes needs 2*n_layer = {n_sub} sublayers divisible by "
+                             f"attnres_blocks = {cfg.attnres_blocks}: choose attnres_blocks among "
+                             f"{[n for n in range(1, n_sub + 1) if n_sub % n == 0]}")
+        self.group_size = n_sub // n_blocks  # S, sublayers per AttnRes block
+
+    def freeze(self, sources, inv_rmses, partial):
+        """Appends the partial sum (if any) to the sources as a frozen block."""
+        if partial is None:
+            return sources, inv_rmses
+        return sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.norm_eps),)
+
+    def read(self, sources, inv_rmses, partial, k, mixer, b, j):
+        """The input of sublayer k (recorded as block b, sublayer j): freezes P at a
+        boundary, then mixes the embedding, the frozen blocks and P (if non-empty).
+        Returns (sources, inv_rmses, partial, z (B, T, d), boundary)."""
+        boundary = k % self.group_size == 0
+        if boundary:
+            sources, inv_rmses = self.freeze(sources, inv_rmses, partial)
+            partial = None
+        if partial is None:
+            z, a = mixer(sources, inv_rmses)
+            current = -1
+        else:
+            z, a = mixer(sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.norm_eps),))
+            current = len(sources)
+        if self.tape is not None:
+            self.record(b, j, weights=a, current=torch.tensor(current))
+        return sources, inv_rmses, partial, z, boundary
+
+    def accumulate(self, sources, partial, f):
+        return f.to(sources[0].dtype) if partial is None else partial + f
+
+    def begin(self, x):
+        return BlockState((x,), (inv_rms(x, self.cfg.norm_eps),), None, 0, x, True)
+
+    def block(self, state, b, layer, rope):
+        sources, inv_rmses, partial, k, mix, _ = state
+        p = self.layers[b]
+        partial = self.accumulate(sources, partial, layer.attn(p.attn_norm(mix), rope))
+        sources, inv_rmses, partial, z, _ = self.read(sources, inv_rmses, partial, k + 1, p.mlp_mix, b, 1)
+        partial = self.accumulate(sources, partial, layer.mlp(p.mlp_norm(z)))
+        # the read of the next block's attention, or the final aggregator (recorded as block b+1)
+        sources, inv_rmses, partial, mix, boundary = self.read(sources, inv_rmses, partial, k + 2,
+                                                               p.out_mix, b + 1, 0)
+        return BlockState(sources, inv_rmses, partial, k + 2, mix, boundary)
+
+    def skip(self, state, b):
+        sources, inv_rmses, partial, k, _, _ = state
+        if (k + 1) % self.group_size == 0:  # a boundary at the skipped MLP's position still freezes P
+            sources, inv_rmses = self.freeze(sources, inv_rmses, partial)
+            partial = None
+        if (k + 2) % self.group_size == 0:  # next-output rule: identity on the newest source
+            sources, inv_rmses = self.freeze(sources, inv_rmses, partial)
+            return BlockState(sources, inv_rmses, None, k + 2, sources[-1], True)
+        sources, inv_rmses, partial, mix, boundary = self.read(sources, inv_rmses, partial, k + 2,
+                                                               self.layers[b].out_mix, b + 1, 0)
+        return BlockState(sources, inv_rmses, partial, k + 2, mix, boundary)
+
+    def end(self, state):
+        return state.mix
+
+    def probe(self, state):
+        return state.mix if state.boundary or state.partial is None else state.partial
+
+    def lens(self, state):
+        return state.mix
 
 
 # ---- single-stream schemes ---------------------------------------------------
@@ -718,6 +1181,9 @@ class MoDA(Residual):
 RESIDUALS = {
     'preln': PreLN,
     'attnres': AttnRes,
+    'hc': HC,
+    'mhc': MHC,
+    'blockattnres': BlockAttnRes,
     'sandwich': Sandwich,
     'lns': LNS,
     'deepnorm': DeepNorm,

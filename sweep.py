@@ -8,6 +8,7 @@ another, then collect the results and plot validation loss against shape.
     python sweep.py family=main extra=--batch_size=8,--gradient_accumulation_steps=64
     python sweep.py family=main plot_only=True                         # collect + plot only
     python sweep.py family=main run=print nproc_per_node=8             # print cluster commands
+    python sweep.py family=main shapes=32 probe=True                   # then probe.py --compare at L=32
 
 (`--family=main` style works too.) For each run, in table order:
   - out_dir/summary.json says finished  -> skipped;
@@ -37,6 +38,9 @@ gradient_accumulation_steps in the configs is global (train.py divides it by the
 number of GPUs), so the 512-sequence batch stays the same: 32 must be divisible by
 the GPU count (or pass extra=--batch_size=..,--gradient_accumulation_steps=..).
 run=print reads the skip/resume status from this machine's out/ directory.
+extra= changes every run it touches, in place: a shortened smoke test
+(extra=--max_iters=20) finishes into the real out_dir and is then skipped, so
+delete those out_dirs (or use a copy of the repo) before the real sweep.
 """
 
 import json
@@ -58,7 +62,12 @@ OPTIONS = {  # option -> (default, help)
     'nproc_per_node': (None, "GPUs per node (local default 1 = plain python; print default 8)"),
     'nnodes': (1, "nodes per run (run=print only; > 1 prints multi-node torchrun commands)"),
     'plot_only': (False, "True: only collect results and plot"),
+    'probe': (None, "True: after training, probe the deepest shape's checkpoints side by side "
+                    "(probe.py --compare); default True for the mini family"),
 }
+# probe.py budgets for the sweep's probe step: small enough for a CPU, per family
+PROBE_ARGS = {'mini': ['--n_windows=16', '--seq_len=256', '--arc_limit=500', '--nll_limit=100', '--n_boot=1000'],
+              None: []}
 
 # -----------------------------------------------------------------------------
 # what to do with each run
@@ -243,6 +252,25 @@ def collect(family, root=None):
           f"-> {os.path.relpath(path, root)}")
     return rows
 
+def probe_deepest(family, schemes=None, shapes=None, root=None):
+    """Runs every diagnostic of probe.py on the finished checkpoints of the deepest shape of
+    the family (one per scheme), side by side: `probe.py --compare ... --out_dir
+    out/<family>/probe_L<L>`, with the family's budgets (PROBE_ARGS). Returns failures."""
+    root = root or ROOT
+    runs = [r for r in families.runs(family, schemes, shapes) if run_status(r, root) == 'finished']
+    if not runs:
+        print(f"probe: no finished run of {family} to probe")
+        return []
+    deepest = max(r.config['n_layer'] for r in runs)
+    ckpts = [os.path.join(r.out_dir, 'ckpt.pt') for r in runs if r.config['n_layer'] == deepest]
+    out_dir = os.path.join('out', family, f'probe_L{deepest}')
+    cmd = [sys.executable, 'probe.py', '--compare', *ckpts, f'--out_dir={out_dir}',
+           *PROBE_ARGS.get(family, PROBE_ARGS[None])]
+    print(f"probe: {format_command(cmd)}", flush=True)
+    if run_command(cmd, root) != 0:
+        return [(f'probe_L{deepest}', 'probe.py failed')]
+    return []
+
 # -----------------------------------------------------------------------------
 # plots (DESIGN §5: loss vs d/L at fixed total and at fixed backbone; loss vs size across scales)
 
@@ -393,9 +421,9 @@ def parse_args(argv):
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"{key}={value!r}: give a positive integer")
             opts[key] = int(value)
-        elif key == 'plot_only':
+        elif key in ('plot_only', 'probe'):
             if value.lower() not in ('true', 'false'):
-                raise ValueError(f"plot_only={value!r}: write plot_only=True or plot_only=False")
+                raise ValueError(f"{key}={value!r}: write {key}=True or {key}=False")
             opts[key] = value.lower() == 'true'
         elif key in ('schemes', 'shapes'):
             items = [s.strip() for s in value.split(',') if s.strip()]
@@ -405,6 +433,8 @@ def parse_args(argv):
         else:
             opts[key] = value
     opts['extra'] = extra
+    if opts['probe'] is None:  # the mini family probes after training; plot_only=True just plots
+        opts['probe'] = opts['family'] == 'mini' and not opts['plot_only']
     if opts['family'] is None:
         raise ValueError(f"give a family, e.g. family=main (one of: {', '.join(families.FAMILIES)})")
     if opts['family'] not in families.FAMILIES:
@@ -434,6 +464,8 @@ def main(argv):
         return 0
     rows = collect(opts['family'])
     plot(opts['family'], rows)
+    if opts['probe'] and opts['run'] == 'local':
+        failures += probe_deepest(opts['family'], opts['schemes'], opts['shapes'])
     if failures:
         print(f"{len(failures)} run(s) failed:", file=sys.stderr)
         for name, why in failures:

@@ -112,6 +112,15 @@ def test_mixing_is_a_softmax_average():
     assert torch.equal(a1, torch.ones_like(a1))
 
 
+def test_double_backward_raises():
+    """The backward is written by hand: a second derivative must fail loudly, not be wrong."""
+    sources, inv, query, gain = mix_inputs(n=2, B=1, T=2, d=4)
+    z, _ = depth_mix(sources, inv, query, gain)
+    (gq,) = torch.autograd.grad(z.square().sum(), query, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gq.sum().backward()
+
+
 def test_bad_arguments():
     sources, inv, query, gain = mix_inputs(n=2, B=1, T=2, d=4)
     with pytest.raises(ValueError, match='one 1/rms per source'):

@@ -13,10 +13,19 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, GPTConfig
-from residuals import sinkhorn
+from residuals import NormedProjection, sinkhorn
 
 V = 128          # vocabulary of the tiny test models
 SCHEMES = ('hc', 'mhc', 'blockattnres')
+
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    """Tiny tensors: one thread is faster, and steadier on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def make(residual, n_layer=4, n_embd=64, seed=0, **kw):
@@ -217,6 +226,16 @@ def test_mhc_sublayer_matches_explicit_formula():
             torch.testing.assert_close(out[bt][j], want, rtol=1e-5, atol=1e-5)
 
 
+def test_normed_projection_matches_formula_and_gradient():
+    # the routing projection Wt RMS(x)^T with its hand-written backward (fp64 finite differences)
+    X = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    Wt = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    P = NormedProjection.apply(X, Wt, 1e-3)
+    want = torch.einsum('cn,btsn->cbts', Wt, X / X.pow(2).mean(-1, keepdim=True).add(1e-3).sqrt())
+    torch.testing.assert_close(P, want)
+    assert torch.autograd.gradcheck(lambda X, Wt: NormedProjection.apply(X, Wt, 1e-3), (X, Wt))
+
+
 @torch.no_grad()
 def test_hc_residual_mixing_is_applied():
     model = make('hc')
@@ -274,6 +293,13 @@ def test_sinkhorn_extreme_logits_are_safe_and_match_float64():
     torch.testing.assert_close(P.double(), R, rtol=0, atol=1e-4)
 
 
+def test_sinkhorn_gradient():
+    # the hand-written backward of the normalisation rounds against finite differences (fp64)
+    z = torch.randn(2, 5, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert sinkhorn(z, 4).dtype == torch.float64
+    assert torch.autograd.gradcheck(lambda z: sinkhorn(z, 4), (z,))
+
+
 def test_sinkhorn_rejects_bad_input():
     with pytest.raises(ValueError, match='square'):
         sinkhorn(torch.zeros(3, 4), 20)
@@ -281,14 +307,19 @@ def test_sinkhorn_rejects_bad_input():
         sinkhorn(torch.zeros(4, 4), 0)
 
 
-def test_mhc_routing_runs_in_fp32_under_autocast():
-    model = make('mhc', mhc_init='uniform')
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+def test_routing_runs_in_fp32_under_autocast(residual):
+    model = make(residual, mhc_init='uniform')
     with torch.autocast('cpu', dtype=torch.bfloat16), model.residual.trace() as tape:
+        rec = []
+        h = model.hidden(tokens(), record=rec)
         _, loss = model(tokens(), tokens(seed=2))
     assert torch.isfinite(loss)
-    for rec in tape:
-        assert rec['mix'].dtype == torch.float32
-        assert (rec['mix'].sum(-2) - 1).abs().max() < 1e-4
+    assert h.dtype == torch.float32 and all(p.dtype == torch.float32 for p, _ in rec)  # the streams stay fp32
+    for r in tape:
+        assert r['mix'].dtype == r['read'].dtype == r['write'].dtype == torch.float32
+        if residual == 'mhc':
+            assert (r['mix'].sum(-2) - 1).abs().max() < 1e-4
 
 
 # -----------------------------------------------------------------------------

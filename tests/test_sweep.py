@@ -56,9 +56,12 @@ class Recorder:
     """Stands in for sweep.run_command: records (cmd, cwd); 'finishes' runs unless told to fail."""
 
     def __init__(self, root, fail=()):
-        self.root, self.fail, self.calls = root, set(fail), []
+        self.root, self.fail, self.calls, self.probes = root, set(fail), [], []
 
     def __call__(self, cmd, cwd):
+        if 'probe.py' in cmd:
+            self.probes.append(cmd)
+            return 0
         self.calls.append((cmd, cwd))
         config = next(a for a in cmd if a.startswith('config/'))
         run = next(r for r in families.all_runs() if r.config_path == config)
@@ -101,6 +104,20 @@ def test_failures_do_not_stop_the_sweep(repo, monkeypatch, capsys):
     res = json.loads((repo / 'out' / 'mini' / 'results.json').read_text())
     status = {r['name']: r['status'] for r in res['runs']}
     assert status['preln_L4'] == 'finished' and status['attnres_L4'] == 'missing'
+    # the mini family then probes the deepest shape's finished checkpoints side by side
+    assert len(rec.probes) == 1
+    probe = rec.probes[0]
+    assert probe[probe.index('--compare') + 1:][:2] == ['out/mini/preln_L4/ckpt.pt', '--out_dir=out/mini/probe_L4']
+
+
+def test_probe_step_can_be_turned_off(repo, monkeypatch):
+    rec = Recorder(repo)
+    monkeypatch.setattr(sweep, 'run_command', rec)
+    assert sweep.main(['family=mini', 'schemes=preln,hc', 'shapes=2', 'probe=False']) == 0
+    assert len(rec.calls) == 2 and rec.probes == []
+    assert sweep.main(['family=mini', 'schemes=preln,hc', 'shapes=2']) == 0  # all finished: probe only
+    assert len(rec.calls) == 2 and len(rec.probes) == 1
+    assert [a for a in rec.probes[0] if a.endswith('ckpt.pt')] == ['out/mini/preln_L2/ckpt.pt', 'out/mini/hc_L2/ckpt.pt']
 
 
 def test_exit_zero_without_summary_is_a_failure(repo, monkeypatch):
