@@ -13,6 +13,8 @@ What each residual scheme costs in wall-clock time and memory on this machine
     python bench.py --schemes=all --device=cuda --compile=True     # every registered scheme, bf16 autocast
     python bench.py --schemes=preln,attnres --n_layer=32 --batch_size=4 --steps=0   # memory only
     python bench.py --hc_package=True ...   # also time the PyPI hyper-connections package in PlainGPT
+    python bench.py --threads=1 ...         # one torch thread: on a CPU shared with other jobs, two
+                                            # OpenMP threads on two busy cores are slow and erratic
 
 For every scheme: training-step time (forward + backward + AdamW step), prefill
 throughput (no_grad forward, tokens/s), MFU (CUDA only: model.estimate_mfu; None on the
@@ -31,8 +33,10 @@ compiled, with --compile=True) on the exact shapes first; then model and optimiz
 are reset, and `rounds` rounds run each scheme's timed steps in turn, rotating the order
 every round (ABC, BCA, CAB, ...) so that background load hits every scheme alike. A ratio
 is the median over rounds of the per-round ratio; CUDA is synchronised at every timing
-boundary. With --compile=True, graphs compiled after warm-up are counted as recompiles
-(target 0). Results, with the command, versions and hardware, go to `out` as JSON.
+boundary. The table's last lines give the run's noise (half the interquartile range of
+the per-round ratios): a verdict that close to its target is not settled by the run.
+With --compile=True, graphs compiled after warm-up are counted as recompiles (target 0).
+Results, with the command, versions and hardware, go to `out` as JSON.
 """
 
 import json
@@ -77,8 +81,8 @@ seed = 1337
 out = 'out/bench.json'  # results as JSON; '' = do not write
 
 # Time budget per scheme, as a factor on (1 + ΔF/F) over Pre-LN. HC/mHC carry m streams;
-# (Block) AttnRes and MoDA add depth attention; every other scheme has one stream and
-# only norms/gains/adds over Pre-LN.
+# (Block) AttnRes and MoDA add depth attention (MoDA's budget is set like AttnRes'); every
+# other scheme has one stream and only norms/gains/adds over Pre-LN.
 TARGETS = {'hc': 1.3, 'mhc': 1.3, 'attnres': 1.25, 'blockattnres': 1.25, 'moda': 1.25}
 SINGLE_STREAM_TARGET = 1.10
 PRELN_VS_PLAIN_TARGET = 1.0

@@ -56,6 +56,10 @@ SCHEME_LR = {
 BLOCK_SIZE = 2048   # context T
 BATCH_SIZE = 16     # micro-batch (sequences) per GPU per forward/backward
 GRAD_ACCUM = 32     # global: train.py divides it by the number of GPUs
+# MoDA's exact attention keeps a (B, H, T, T + 2L) fp32 weight matrix per block for the
+# backward: 4.4 GB per block at 16 x 2048 tokens. Its GPU runs use a smaller micro-batch
+# and more accumulation: the same 512 sequences per step.
+SCHEME_MICRO_BATCH = {'moda': dict(batch_size=4, gradient_accumulation_steps=128)}
 RECIPE = dict(
     block_size=BLOCK_SIZE,
     batch_size=BATCH_SIZE,
@@ -202,16 +206,17 @@ ONEPOINTSIX_SHAPES = ((28, 2048), (40, 1728), (54, 1504))
 # held at that of L=4, d=128 (803,840 parameters); L in {2, 4, 8} gives d = 176, 128,
 # 96 (d/L = 88, 32, 12, a span like the main family's 76 -> 9); 4 heads everywhere so
 # head_dim = d/4 >= 16. Byte-level text (vocab 257), T = 256, float32 on the CPU.
-# Budget: the 9 runs in about an hour on 2 cores, so every run sees
-# MINI_TOKENS_PER_PARAM = 4 tokens per backbone parameter (≈3.2M tokens, ≈800 steps
-# of 4,096 tokens). The arithmetic: preln L=4 trains at ≈15k tokens/s on 2 idle cores
-# (0.27 s per step); relative step costs measured with the model on one thread are
-# preln L=2/4/8 ≈ 0.9/1.0/1.3 and attnres ≈ 1.0/1.45/2.2, hc taken as ≈1.3x preln;
-# sum over the 9 runs ≈ 9,700 preln-L4 steps ≈ 45 min, plus 6 evaluations of 20
-# batches per run and start-up ≈ 50 min. Scale MINI_TOKENS_PER_PARAM with your machine.
+# Budget: the 9 runs and the probes in about an hour on one core of a 2-core machine
+# (OMP_NUM_THREADS=1, leaving the other core free), so every run sees
+# MINI_TOKENS_PER_PARAM = 2.5 tokens per backbone parameter (≈2M tokens, ≈500 steps of
+# 4,096 tokens). The arithmetic: preln L=4 trains at ≈15k tokens/s on 2 idle cores
+# (0.27 s per step), ≈1.6x slower on one; relative step costs measured on one thread
+# are preln L=2/4/8 ≈ 0.9/1.0/1.3 and attnres ≈ 1.0/1.45/2.2, hc ≈ 1.3x preln; sum over
+# the 9 runs ≈ 6,000 preln-L4 steps ≈ 45 min on one core, plus evaluations, start-up
+# and the probes of the L=8 models. Scale MINI_TOKENS_PER_PARAM with your machine.
 MINI_DEPTHS = (2, 4, 8)
 MINI_BACKBONE = backbone_params(4, 128, n_head=4)
-MINI_TOKENS_PER_PARAM = 4.0
+MINI_TOKENS_PER_PARAM = 2.5
 MINI_BATCH = dict(block_size=256, batch_size=16, gradient_accumulation_steps=1)  # 4,096 tokens per step
 
 
@@ -282,6 +287,8 @@ def _make_run(family, shape, scheme):
     cfg.update(fam.base)
     cfg.update(residual=scheme, n_layer=shape.L, n_embd=shape.d, n_head=fam.n_head,
                learning_rate=fam.learning_rate or SCHEME_LR[scheme], out_dir=out_dir)
+    if family != 'mini':
+        cfg.update(SCHEME_MICRO_BATCH.get(scheme, {}))
     cfg.update(shape.extra)
     if 'max_iters' in cfg:  # a fixed step count replaces the tokens-per-parameter rule
         del cfg['tokens_per_param']
