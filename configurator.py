@@ -20,6 +20,7 @@ import ast
 import difflib
 import io
 import os
+import sys
 import tokenize
 import types
 
@@ -92,7 +93,8 @@ def _parse_override(arg, g, keys):
 def print_help(g, keys, help_text=None):
     """Print every config key with its current (default) value and comment."""
     help_text = help_text or {}
-    print("usage: python train.py [config_file.py ...] [--key=value ...]\n\nconfig keys (default):")
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+    print(f"usage: python {script} [config_file.py ...] [--key=value ...]\n\nconfig keys (default):")
     width = max((len(f"{k} = {g[k]!r}") for k in keys), default=0)
     for k in keys:
         line = f"{k} = {g[k]!r}"
