@@ -47,6 +47,7 @@ import json
 import os
 import re
 import shlex
+import textwrap
 import subprocess
 import sys
 
@@ -323,7 +324,7 @@ def plot_loss_vs_ratio(panels, path):
         ax.minorticks_off()
         ax.set_xlabel('d/L (wide, shallow  ->  right)')
         ax.set_ylabel('validation loss (nats/token)')
-        ax.set_title(title)
+        ax.set_title(textwrap.fill(title, 60), fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle('hollow = unfinished (last eval)', fontsize=8, y=0.01, va='bottom')
