@@ -21,14 +21,6 @@ from tokenizer import get_tokenizer  # noqa: E402
 V, T = 64, 12
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    # tiny models: intra-op threads only add synchronisation (and stall on a busy machine)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny(residual='preln', n_layer=4, vocab_size=V, seed=0, block_size=32, **kw):
     torch.manual_seed(seed)

@@ -19,14 +19,6 @@ V = 128          # vocabulary of the tiny test models
 SCHEMES = ('hc', 'mhc', 'blockattnres')
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    """Tiny tensors: one thread is faster, and steadier on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make(residual, n_layer=4, n_embd=64, seed=0, **kw):
     torch.manual_seed(seed)

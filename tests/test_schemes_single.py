@@ -29,14 +29,6 @@ VOCAB = 64
 EPS = 1e-6
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    """Tiny shapes run fastest on one thread (and do not fight other processes for cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make(residual, L=3, d=32, H=4, kv=None, seed=0, **kw):
     torch.manual_seed(seed)
