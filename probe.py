@@ -83,7 +83,7 @@ def load_model(ckpt_path, device='cpu'):
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # torch raises RuntimeError / EOFError / UnpicklingError for damaged files
-        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); the file is truncated "
+        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}); the file is truncated "
                          f"or not a torch checkpoint: copy it again or re-save it with train.py") from None
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
         raise ValueError(f"checkpoint {path} lacks 'model' / 'model_args'; save it with train.py")
