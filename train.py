@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -262,6 +263,9 @@ print0(f"peak lr {learning_rate:g}, warmup {warmup_iters} iters, cosine to {min_
 
 if fsdp:  # shard before the optimizer is built: FSDP2 replaces the parameters by DTensors
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    # F.linear returns a view for (B, T, d) inputs; FSDP2 warns in case the caller edits it in
+    # place. No scheme does (residual updates are out of place: x = x + f), so the warning is noise.
+    warnings.filterwarnings('ignore', message='FSDP2-wrapped module')
     mp = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
     for blk in raw_model.blocks:  # the schemes call the branches, not Block.forward: shard each branch
         for branch in (blk.attn, blk.mlp):
@@ -393,6 +397,9 @@ def log_metrics(row):
 
 if eval_only:
     print0(f"val loss {estimate_val_loss():.4f}")
+    if ddp:
+        dist.barrier()
+        dist.destroy_process_group()
     sys.exit(0)
 
 model.train()
@@ -473,5 +480,6 @@ if iter_num == max_iters and master:
     with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=1)
     print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens")
-if ddp:
+if ddp:  # wait for every rank (rank 0 may still be writing) before tearing the process group down
+    dist.barrier()
     dist.destroy_process_group()
