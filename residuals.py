@@ -1044,36 +1044,116 @@ class ResiDual(SingleStream):
 
 # ---- MoDA --------------------------------------------------------------------
 
+class DepthReadFunction(torch.autograd.Function):
+    """The depth half of MoDA's joint softmax, with a hand-written backward. Call as
+
+        y, lse = DepthReadFunction.apply(q, scale, *depth_k, *depth_v)
+
+    q: (B, H_kv, G, T, hd) (query heads grouped by their key/value head); depth_k[j],
+    depth_v[j]: S >= 1 slots (B, H_kv, T, hd). With scores d_j = scale * q . K_j and
+    a = softmax_j(d) (fp32):
+        y = sum_j a_j V_j  (B, H_kv, G, T, hd),   lse = log sum_j exp(d_j)  (B, H_kv, G, T) fp32.
+    Why by hand: autograd on a stacked (B, H_kv, T, S, hd) copy of the slots keeps that copy
+    for the backward at every block, O(L^2 B T d) bytes per pass, and per-token
+    (1 x hd)(hd x S) products run as slow batched matmuls. Here every sum over slots is a
+    loop over the S tensors (alive anyway: they are the depth cache), and the backward
+    saves only a (S numbers per query) and references. With incoming gy, glse and
+    p_j = gy . V_j:  gd_j = a_j (p_j - sum_i a_i p_i + glse),
+        gq = scale sum_j gd_j K_j,  gK_j = scale sum_G gd_j q,  gV_j = sum_G a_j gy."""
+
+    @staticmethod
+    def forward(ctx, q, scale, *slots):
+        S = len(slots) // 2
+        K, V = slots[:S], slots[S:]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        d = torch.stack([torch.linalg.vecdot(q, Kj.unsqueeze(2)) for Kj in K]).to(acc) * scale  # (S, B, H_kv, G, T)
+        lse = torch.logsumexp(d, dim=0)                                                     # (B, H_kv, G, T)
+        a = torch.exp(d - lse)                                                              # (S, B, H_kv, G, T)
+        y = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for j, Vj in enumerate(V):  # in place: one buffer, not S fresh (B, H_kv, G, T, hd) tensors
+            y.addcmul_(a[j].unsqueeze(-1), Vj.unsqueeze(2))
+        ctx.scale = scale
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, a, *slots)
+        return y.to(q.dtype), lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy, glse):
+        q, a, *slots = ctx.saved_tensors
+        S = len(slots) // 2
+        K, V = slots[:S], slots[S:]
+        acc, G = a.dtype, q.size(2)
+        group_sum = (lambda t: t.squeeze(2)) if G == 1 else (lambda t: t.sum(2))  # over the query heads of a K/V head
+        if gy is None:
+            p = torch.zeros_like(a)
+        else:
+            gy = gy.to(acc)
+            p = torch.stack([torch.linalg.vecdot(gy, Vj.unsqueeze(2).to(acc)) for Vj in V])  # (S, B, H_kv, G, T)
+        gd = p - (a * p).sum(0, keepdim=True)
+        if glse is not None:
+            gd = gd + glse
+        gd = a * gd * ctx.scale                                                              # (S, B, H_kv, G, T)
+        gq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for j, Kj in enumerate(K):
+            gq.addcmul_(gd[j].unsqueeze(-1), Kj.unsqueeze(2))
+        gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
+        gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
+        return (gq.to(q.dtype), None, *gK, *gV)
+
+
 def depth_attention(q, k, v, depth_k, depth_v):
     """The joint sequence-and-depth attention of MoDA (arXiv 2603.15619; schemes.md "MoDA"):
 
         a_t = softmax([q_t . k_s, s <= t  |  q_t . K_depth[t, j], j < S] / sqrt(hd))
         y_t = sum_{s<=t} a_ts v_s + sum_{j<S} a_tj V_depth[t, j]
 
-    ONE softmax (fp32) over the causal sequence keys and the S depth keys of the same
-    token, as extra columns of an explicit score matrix: memory O(B*H*T*(T + S)), exact,
-    no fused kernel. q: (B, H, T, hd) after RoPE; k: (B, H_kv, T, hd) after RoPE; v:
-    (B, H_kv, T, hd); depth_k, depth_v: (B, H_kv, T, S, hd), S >= 0 (S = 0 is plain
-    causal attention). GQA: query head i reads key/value head i // (H / H_kv), as
-    scaled_dot_product_attention(enable_gqa=True). Returns y (B, H, T, hd)."""
+    ONE softmax over the causal sequence keys and the S depth keys of the same token,
+    computed exactly without an explicit (T x (T + S)) score matrix. The depth part
+    collapses into one key per query: logit lse_t = log sum_j exp(d_tj) (fp32) and value
+    y_dep,t = softmax(d_t) . V_depth[t] (`DepthReadFunction`). Shifting query t's sequence
+    scores by -lse_t through one extra head dimension (q' = [q, -lse / scale], k' = [k, 1])
+    and prepending a null key (score 0, value e_hd) that every query sees (a dummy query
+    at position 0 keeps the causal mask square) lets fused `F.scaled_dot_product_attention` give
+        o_t = sum_s a_ts v_s   and   o_t[hd] = a_t,null = (total depth weight),
+    so y_t = o_t[:hd] + o_t[hd] * y_dep,t — differentiable end to end.
+    q: (B, H, T, hd) after RoPE; k: (B, H_kv, T, hd) after RoPE; v: (B, H_kv, T, hd);
+    depth_k, depth_v: sequences of S >= 0 slots (B, H_kv, T, hd) (S = 0: plain causal
+    attention). GQA: query head i reads key/value head i // (H / H_kv). Returns y (B, H, T, hd).
+    `depth_attention_reference` is the same function written as the plain formula."""
     B, H, T, hd = q.shape
-    Hkv = k.size(1)
-    q = q.reshape(B, Hkv, H // Hkv, T, hd) * hd ** -0.5              # (B, Hkv, G, T, hd)
+    Hkv, S = k.size(1), len(depth_k)
+    assert len(depth_v) == S and H % Hkv == 0
+    gqa = H != Hkv
+    if S == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    scale = hd ** -0.5
+    y_dep, lse = DepthReadFunction.apply(q.view(B, Hkv, H // Hkv, T, hd), scale, *depth_k, *depth_v)
+    y_dep, lse = y_dep.view(B, H, T, hd), lse.view(B, H, T)
+    # position 0 of keys and queries: the null key, and a dummy query whose output is dropped
+    q1 = F.pad(torch.cat((q, (-lse / scale).to(q.dtype).unsqueeze(-1)), dim=-1), (0, 0, 1, 0))  # (B, H, 1 + T, hd + 1)
+    k1 = F.pad(torch.cat((k, k.new_ones(B, Hkv, T, 1)), dim=-1), (0, 0, 1, 0))       # (B, H_kv, 1 + T, hd + 1)
+    v1 = F.pad(v, (0, 1, 1, 0)) + F.pad(v.new_ones(1, 1, 1, 1), (hd, 0, 0, T))      # (B, H_kv, 1 + T, hd + 1), null value e_hd
+    o = F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, scale=scale, enable_gqa=gqa)[:, :, 1:]  # (B, H, T, hd + 1)
+    return o[..., :hd] + o[..., hd:] * y_dep
+
+
+def depth_attention_reference(q, k, v, depth_k, depth_v):
+    """`depth_attention` as the plain formula, left to autograd: an explicit fp32 score
+    matrix (B, H, T, T + S) over the causal keys and the stacked depth keys. Memory
+    O(B H T (T + S)); what tests check `depth_attention` against."""
+    B, H, T, hd = q.shape
+    Hkv, S = k.size(1), len(depth_k)
+    dk = torch.stack(list(depth_k), dim=3) if S else k.new_zeros(B, Hkv, T, 0, hd)   # (B, H_kv, T, S, hd)
+    dv = torch.stack(list(depth_v), dim=3) if S else v.new_zeros(B, Hkv, T, 0, hd)
+    q = q.reshape(B, Hkv, H // Hkv, T, hd) * hd ** -0.5                # (B, Hkv, G, T, hd)
     seq = q @ k.unsqueeze(2).transpose(-1, -2)                         # (B, Hkv, G, T, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     seq = seq.masked_fill(~causal, float('-inf'))
-    dep = torch.einsum('bkgtd,bktsd->bkgts', q, depth_k)               # (B, Hkv, G, T, S)
+    dep = torch.einsum('bkgtd,bktsd->bkgts', q, dk)                    # (B, Hkv, G, T, S)
     a = torch.softmax(torch.cat((seq, dep), dim=-1).float(), dim=-1).to(q.dtype)
-    y = a[..., :T] @ v.unsqueeze(2) + torch.einsum('bkgts,bktsd->bkgtd', a[..., T:], depth_v)
+    y = a[..., :T] @ v.unsqueeze(2) + torch.einsum('bkgts,bktsd->bkgtd', a[..., T:], dv)
     return y.reshape(B, H, T, hd)
-
-
-def stack_slots(slots, like):
-    """Depth-cache slots, each (B, H_kv, T, hd), as one tensor (B, H_kv, T, S, hd) in like's
-    dtype; S = len(slots) may be 0."""
-    if not slots:
-        return like.new_zeros(*like.shape[:3], 0, like.size(-1))
-    return torch.stack([s.to(like.dtype) for s in slots], dim=3)
 
 
 def put_slot(slots, i, t):
@@ -1152,8 +1232,7 @@ class MoDA(Residual):
         q, k, v = attn.qkv(prm.attn_norm(h))  # (B, H, T, hd), (B, H_kv, T, hd) x2, before RoPE
         S = 2 * p if self.use_depth else 0    # the depth slots this block reads
         cos, sin = rope
-        y = depth_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
-                            stack_slots(K[:S], k), stack_slots(V[:S], v))
+        y = depth_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, K[:S], V[:S])
         h = h + attn.out(y)
         K, V = put_slot(K, 2 * p, k), put_slot(V, 2 * p, v)
         x = prm.mlp_norm(h)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT, GPTConfig  # noqa: E402
-from residuals import RESIDUALS, depth_attention  # noqa: E402
+from residuals import RESIDUALS, depth_attention, depth_attention_reference  # noqa: E402
 
 SCHEMES = ('sandwich', 'lns', 'deepnorm', 'keel', 'moda', 'postln', 'rezero', 'layerscale', 'resdual')
 SINGLE = tuple(s for s in SCHEMES if s != 'moda')  # the ones with a reference loop below
@@ -306,11 +306,48 @@ def test_depth_attention_is_one_joint_softmax(H, Hkv, S):
     q = torch.randn(B, H, T, hd, generator=g)
     k, v = torch.randn(2, B, Hkv, T, hd, generator=g)
     dk, dv = torch.randn(2, B, Hkv, T, S, hd, generator=g)
-    y = depth_attention(q, k, v, dk, dv)
-    assert close(y, naive_depth_attention(q, k, v, dk, dv))
+    slots_k, slots_v = dk.unbind(3), dv.unbind(3)  # S tensors (B, Hkv, T, hd)
+    y = depth_attention(q, k, v, slots_k, slots_v)
+    naive = naive_depth_attention(q, k, v, dk, dv)
+    assert close(y, naive)
+    assert close(depth_attention_reference(q, k, v, slots_k, slots_v), naive)
     if S == 0:  # plain causal attention
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         assert close(y, ref)
+
+
+@pytest.mark.parametrize('H,Hkv,S', [(4, 4, 3), (4, 2, 2), (2, 1, 1)])
+def test_depth_attention_gradients(H, Hkv, S):
+    """The null-key SDPA form and DepthReadFunction's hand-written backward: gradcheck in
+    fp64, and the same gradients as the explicit-score formula left to autograd."""
+    g = torch.Generator().manual_seed(1)
+    B, T, hd = 2, 5, 4
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+    q, k, v = leaf(B, H, T, hd), leaf(B, Hkv, T, hd), leaf(B, Hkv, T, hd)
+    slots = [leaf(B, Hkv, T, hd) for _ in range(2 * S)]
+    def f(q, k, v, *slots):
+        return depth_attention(q, k, v, slots[:S], slots[S:])
+    assert torch.autograd.gradcheck(f, (q, k, v, *slots))
+    w = torch.randn(B, H, T, hd, generator=g, dtype=torch.float64)
+    inputs = (q, k, v, *slots)
+    ours = torch.autograd.grad((f(*inputs) * w).sum(), inputs)
+    ref = torch.autograd.grad((depth_attention_reference(q, k, v, slots[:S], slots[S:]) * w).sum(), inputs)
+    for a, b in zip(ours, ref):
+        assert torch.allclose(a, b, atol=1e-6)  # the reference's softmax is fp32
+
+
+def test_depth_attention_bf16_close_to_fp32():
+    g = torch.Generator().manual_seed(2)
+    B, H, Hkv, T, hd, S = 2, 4, 2, 32, 16, 4
+    q = 2 * torch.randn(B, H, T, hd, generator=g)
+    k, v = 2 * torch.randn(2, B, Hkv, T, hd, generator=g)
+    K, V = list(2 * torch.randn(S, B, Hkv, T, hd, generator=g)), list(torch.randn(S, B, Hkv, T, hd, generator=g))
+    ref = depth_attention_reference(q, k, v, K, V)
+    bf = [t.bfloat16() for t in (q, k, v)]
+    y = depth_attention(*bf, [t.bfloat16() for t in K], [t.bfloat16() for t in V])
+    assert y.dtype == torch.bfloat16
+    assert ((y.float() - ref).norm() / ref.norm()) < 0.02
 
 
 def moda(L=3, use_depth=True, **kw):
