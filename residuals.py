@@ -1189,9 +1189,11 @@ class MoDA(Residual):
     as in the study where swaps exchange weights and positions stay. Block L-1 has no
     W_kv: if an order runs it before the end, its FFN slot stays zero.
 
-    State (h, depth K, depth V, p): K and V are tuples of 2L slots (B, H_kv, T, hd) that
-    start as one shared zero tensor and are replaced, never written in place, so prefix
-    states can be reused. probe = lens = h (probes.md §0).
+    State (h, depth K, depth V, p): the depth cache, K and V, is a tuple of 2L slots
+    (B, H_kv, T, hd) allocated once as one shared zero tensor; a write replaces a slot's
+    reference (no copy, no per-block concatenation) and never modifies a tensor in place, so
+    prefix states can be reused and autograd's saved slots stay valid. A read loops over
+    the slots (`DepthReadFunction`). probe = lens = h (probes.md §0).
     Skip rule (probes.md §2): a skipped block leaves h unchanged and writes nothing into
     its two slots, which stay zero and still take softmax mass exp(q . 0) = 1 with a zero
     value (a skipped block differs from a dropped one, which takes no slots).
