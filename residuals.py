@@ -1066,7 +1066,8 @@ class DepthReadFunction(torch.autograd.Function):
         S = len(slots) // 2
         K, V = slots[:S], slots[S:]
         acc = torch.promote_types(q.dtype, torch.float32)
-        d = torch.stack([torch.linalg.vecdot(q, Kj.unsqueeze(2)) for Kj in K]).to(acc) * scale  # (S, B, H_kv, G, T)
+        qa = q.to(acc)                                                                       # scores in fp32 (no-op for fp32)
+        d = torch.stack([torch.linalg.vecdot(qa, Kj.unsqueeze(2).to(acc)) for Kj in K]) * scale  # (S, B, H_kv, G, T)
         lse = torch.logsumexp(d, dim=0)                                                     # (B, H_kv, G, T)
         a = torch.exp(d - lse)                                                              # (S, B, H_kv, G, T)
         y = torch.zeros(q.shape, dtype=acc, device=q.device)
