@@ -1117,7 +1117,9 @@ def depth_attention(q, k, v, depth_k, depth_v):
     and prepending a null key (score 0, value e_hd) that every query sees (a dummy query
     at position 0 keeps the causal mask square) lets fused `F.scaled_dot_product_attention` give
         o_t = sum_s a_ts v_s   and   o_t[hd] = a_t,null = (total depth weight),
-    so y_t = o_t[:hd] + o_t[hd] * y_dep,t — differentiable end to end.
+    so y_t = o_t[:hd] + o_t[hd] * y_dep,t — differentiable end to end. (The shift is stored in
+    q's dtype; the exact correction for its rounding keeps bf16 outputs as close as plain
+    bf16 attention's, whatever the size of lse.)
     q: (B, H, T, hd) after RoPE; k: (B, H_kv, T, hd) after RoPE; v: (B, H_kv, T, hd);
     depth_k, depth_v: sequences of S >= 0 slots (B, H_kv, T, hd) (S = 0: plain causal
     attention). GQA: query head i reads key/value head i // (H / H_kv). Returns y (B, H, T, hd).
@@ -1131,12 +1133,19 @@ def depth_attention(q, k, v, depth_k, depth_v):
     scale = hd ** -0.5
     y_dep, lse = DepthReadFunction.apply(q.view(B, Hkv, H // Hkv, T, hd), scale, *depth_k, *depth_v)
     y_dep, lse = y_dep.view(B, H, T, hd), lse.view(B, H, T)
+    shift = (-lse / scale).to(q.dtype)                                               # (B, H, T), in q's dtype
     # position 0 of keys and queries: the null key, and a dummy query whose output is dropped
-    q1 = F.pad(torch.cat((q, (-lse / scale).to(q.dtype).unsqueeze(-1)), dim=-1), (0, 0, 1, 0))  # (B, H, 1 + T, hd + 1)
+    q1 = F.pad(torch.cat((q, shift.unsqueeze(-1)), dim=-1), (0, 0, 1, 0))             # (B, H, 1 + T, hd + 1)
     k1 = F.pad(torch.cat((k, k.new_ones(B, Hkv, T, 1)), dim=-1), (0, 0, 1, 0))       # (B, H_kv, 1 + T, hd + 1)
     v1 = F.pad(v, (0, 1, 1, 0)) + F.pad(v.new_ones(1, 1, 1, 1), (hd, 0, 0, T))      # (B, H_kv, 1 + T, hd + 1), null value e_hd
     o = F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, scale=scale, enable_gqa=gqa)[:, :, 1:]  # (B, H, T, hd + 1)
-    return o[..., :hd] + o[..., hd:] * y_dep
+    if shift.dtype == lse.dtype:  # fp32/fp64: the shift is lse up to the last bit
+        return o[..., :hd] + o[..., hd:] * y_dep
+    # bf16/fp16: the kernel shifted by the rounded -shift * scale, not by lse: with
+    # r = exp(lse + shift * scale) (1 +- 2^-8 |lse| in bf16) the depth mass is r * o_null out of 1 + (r - 1) o_null
+    r = torch.exp(lse + shift.to(lse.dtype) * scale).unsqueeze(-1)                   # (B, H, T, 1), fp32
+    null = o[..., hd:].to(r.dtype)                                                    # (B, H, T, 1)
+    return ((o[..., :hd] + (r * null) * y_dep) / (1 + (r - 1) * null)).to(q.dtype)
 
 
 def depth_attention_reference(q, k, v, depth_k, depth_v):
