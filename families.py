@@ -56,10 +56,6 @@ SCHEME_LR = {
 BLOCK_SIZE = 2048   # context T
 BATCH_SIZE = 16     # micro-batch (sequences) per GPU per forward/backward
 GRAD_ACCUM = 32     # global: train.py divides it by the number of GPUs
-# MoDA's exact attention keeps a (B, H, T, T + 2L) fp32 weight matrix per block for the
-# backward: 4.4 GB per block at 16 x 2048 tokens. Its GPU runs use a smaller micro-batch
-# and more accumulation: the same 512 sequences per step.
-SCHEME_MICRO_BATCH = {'moda': dict(batch_size=4, gradient_accumulation_steps=128)}
 RECIPE = dict(
     block_size=BLOCK_SIZE,
     batch_size=BATCH_SIZE,
@@ -287,8 +283,6 @@ def _make_run(family, shape, scheme):
     cfg.update(fam.base)
     cfg.update(residual=scheme, n_layer=shape.L, n_embd=shape.d, n_head=fam.n_head,
                learning_rate=fam.learning_rate or SCHEME_LR[scheme], out_dir=out_dir)
-    if family != 'mini':
-        cfg.update(SCHEME_MICRO_BATCH.get(scheme, {}))
     cfg.update(shape.extra)
     if 'max_iters' in cfg:  # a fixed step count replaces the tokens-per-parameter rule
         del cfg['tokens_per_param']

@@ -2,7 +2,7 @@
 # run moda_L20: scheme moda, L = 20, d = 1120, d/L = 56.00
 # 16 heads of 70, SwiGLU d_ff = 2,992
 # Pre-LN parameters: backbone 301,459,200 (301M), total 414,087,520 (414M, with embedding + LM head + final norm; the scheme adds a few)
-# batch: 4 x 128 = 512 sequences x 2048 tokens = 1,048,576 tokens per step (≈1.05M)
+# batch: 16 x 32 = 512 sequences x 2048 tokens = 1,048,576 tokens per step (≈1.05M)
 # 20 tokens/param x 414M = 8.28B tokens ≈ 7,898 steps (train.py derives max_iters from the exact count)
 # peak LR 2e-3, warmup 10%, cosine to 10% of peak
 # run: python train.py config/moda_L20.py  (8 GPUs: torchrun --standalone --nproc_per_node=8 train.py config/moda_L20.py)
@@ -14,8 +14,8 @@ out_dir = 'out/main/moda_L20'
 # data
 dataset = 'fineweb_edu'
 block_size = 2048
-batch_size = 4
-gradient_accumulation_steps = 128
+batch_size = 16
+gradient_accumulation_steps = 32
 
 # model
 residual = 'moda'

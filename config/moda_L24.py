@@ -2,7 +2,7 @@
 # run moda_L24: scheme moda, L = 24, d = 1024, d/L = 42.67
 # 16 heads of 64, SwiGLU d_ff = 2,736
 # Pre-LN parameters: backbone 302,432,256 (302M), total 405,406,720 (405M, with embedding + LM head + final norm; the scheme adds a few)
-# batch: 4 x 128 = 512 sequences x 2048 tokens = 1,048,576 tokens per step (≈1.05M)
+# batch: 16 x 32 = 512 sequences x 2048 tokens = 1,048,576 tokens per step (≈1.05M)
 # 20 tokens/param x 405M = 8.11B tokens ≈ 7,733 steps (train.py derives max_iters from the exact count)
 # peak LR 2e-3, warmup 10%, cosine to 10% of peak
 # run: python train.py config/moda_L24.py  (8 GPUs: torchrun --standalone --nproc_per_node=8 train.py config/moda_L24.py)
@@ -14,8 +14,8 @@ out_dir = 'out/main/moda_L24'
 # data
 dataset = 'fineweb_edu'
 block_size = 2048
-batch_size = 4
-gradient_accumulation_steps = 128
+batch_size = 16
+gradient_accumulation_steps = 32
 
 # model
 residual = 'moda'

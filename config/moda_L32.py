@@ -2,7 +2,7 @@
 # run moda_L32: scheme moda, L = 32, d = 896, d/L = 28.00
 # 16 heads of 56, SwiGLU d_ff = 2,400
 # Pre-LN parameters: backbone 309,256,192 (309M), total 399,358,848 (399M, with embedding + LM head + final norm; the scheme adds a few)
-# batch: 4 x 128 = 512 sequences x 2048 tokens = 1,048,576 tokens per step (≈1.05M)
+# batch: 16 x 32 = 512 sequences x 2048 tokens = 1,048,576 tokens per step (≈1.05M)
 # 20 tokens/param x 399M = 7.99B tokens ≈ 7,617 steps (train.py derives max_iters from the exact count)
 # peak LR 2e-3, warmup 10%, cosine to 10% of peak
 # run: python train.py config/moda_L32.py  (8 GPUs: torchrun --standalone --nproc_per_node=8 train.py config/moda_L32.py)
@@ -14,8 +14,8 @@ out_dir = 'out/main/moda_L32'
 # data
 dataset = 'fineweb_edu'
 block_size = 2048
-batch_size = 4
-gradient_accumulation_steps = 128
+batch_size = 16
+gradient_accumulation_steps = 32
 
 # model
 residual = 'moda'
