@@ -327,9 +327,7 @@ def flop_check(config, seq_len, batch=1, device='meta'):
 
     Convention, so that both count the same things:
       - the model is built on `device` (default 'meta': no memory, no arithmetic) and
-        run under torch.no_grad(); if a scheme cannot run on 'meta' (e.g. it opens
-        torch.autocast, which has no meta device), it is run on the CPU instead, which
-        costs real memory and time: keep such checks to small shapes;
+        run under torch.no_grad();
       - attention runs under sdpa_kernel(SDPBackend.MATH): it is then two bmm's over
         the full T×T matrix (4T²d per layer; GQA's k, v are expanded to all H heads),
         which FlopCounterMode sees. With the default CPU kernel it sees no attention;
@@ -346,38 +344,26 @@ def flop_check(config, seq_len, batch=1, device='meta'):
     (the BROADCAST_TERMS of extra_flop_terms). Norms, RoPE and softmax are counted by neither.
 
     Returns dict(counted=int, analytic=int, missing=analytic - counted, by_op={op: FLOPs},
-    terms=extra_flop_terms scaled by batch, device=where it ran). Units: FLOPs.
+    terms=extra_flop_terms scaled by batch). Units: FLOPs.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     aten = torch.ops.aten
     cfg = GPTConfig(**{**config.__dict__, 'block_size': max(config.block_size, seq_len)})
-
-    def count(device):
-        with torch.device(device):
-            model = GPT(cfg)
-            idx = torch.zeros(batch, seq_len, dtype=torch.long)
-        counter = FlopCounterMode(display=False, custom_mapping={
-            aten.mv: _mv_flops, aten.addmv: _addmv_flops, aten.dot: _dot_flops, aten.addcmul: _addcmul_flops})
-        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
-            model(idx)
-        return counter
-
-    try:
-        counter = count(device)
-    except (RuntimeError, NotImplementedError):
-        if device != 'meta':
-            raise
-        device = 'cpu'  # scheme code that has no meta kernel (e.g. torch.autocast on 'meta')
-        counter = count(device)
+    with torch.device(device):
+        model = GPT(cfg)
+        idx = torch.zeros(batch, seq_len, dtype=torch.long)
+    counter = FlopCounterMode(display=False, custom_mapping={
+        aten.mv: _mv_flops, aten.addmv: _addmv_flops, aten.dot: _dot_flops, aten.addcmul: _addcmul_flops})
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+        model(idx)
     counted = counter.get_total_flops()
     analytic = batch * config_flops(cfg, seq_len, attention='full', logits='all', appendix_d=False)
     terms = {k: batch * v for k, v in extra_flop_terms(cfg.residual, cfg.n_layer, cfg.n_embd, seq_len,
                                                         n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
                                                         appendix_d=False, **_scheme_opts(cfg)).items()}
     by_op = {str(k).removeprefix('aten.'): v for k, v in counter.get_flop_counts().get('Global', {}).items()}
-    return dict(counted=counted, analytic=analytic, missing=analytic - counted, by_op=by_op, terms=terms,
-                device=device)
+    return dict(counted=counted, analytic=analytic, missing=analytic - counted, by_op=by_op, terms=terms)
 
 # -----------------------------------------------------------------------------
 # measured prefill (Fig. 11, probes.md §9)

@@ -351,7 +351,10 @@ class AttnRes(Residual):
 
 def no_autocast(x):
     """Context in which autocast is off on x's device, so that routing math runs in the
-    dtype its inputs are given in (the streams' dtype, or fp32 where a scheme casts)."""
+    dtype its inputs are given in (the streams' dtype, or fp32 where a scheme casts).
+    The 'meta' device (shape-only runs, e.g. cost.flop_check) has no autocast to turn off."""
+    if x.device.type == 'meta':
+        return contextlib.nullcontext()
     return torch.autocast(device_type=x.device.type, enabled=False)
 
 

@@ -395,11 +395,17 @@ def log_metrics(row):
 # -----------------------------------------------------------------------------
 # training loop
 
-if eval_only:
-    print0(f"val loss {estimate_val_loss():.4f}")
+def shutdown():
+    """Under torchrun: every rank waits (rank 0 may still be writing) before the process
+    group is torn down; a rank tearing down early can abort its peers."""
     if ddp:
         dist.barrier()
         dist.destroy_process_group()
+
+
+if eval_only:
+    print0(f"val loss {estimate_val_loss():.4f}")
+    shutdown()
     sys.exit(0)
 
 model.train()
@@ -480,6 +486,4 @@ if iter_num == max_iters and master:
     with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=1)
     print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens")
-if ddp:  # wait for every rank (rank 0 may still be writing) before tearing the process group down
-    dist.barrier()
-    dist.destroy_process_group()
+shutdown()
