@@ -54,6 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cost
 from configurator import ConfigError, comments_from_source, configure
 from model import GPT, GPTConfig, estimate_mfu
 from residuals import RESIDUALS
@@ -236,17 +237,16 @@ def saved_activation_bytes(model, idx, targets, ctx=nullcontext()):
 
 def flop_ratio(cfg, seq_len):
     """ΔF/F of cfg's scheme from cost.py (extra_flops / Pre-LN forward_flops, LM head on all
-    positions, causal attention), or None when cost.py or the scheme's formula is missing."""
+    positions, causal attention), or None for a scheme cost.py has no formula for."""
+    kw = dict(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, hc_streams=cfg.hc_streams,
+              attnres_blocks=cfg.attnres_blocks)
     try:
-        import cost
-        kw = dict(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, hc_streams=cfg.hc_streams,
-                  attnres_blocks=cfg.attnres_blocks)
         extra = cost.extra_flops(cfg.residual, cfg.n_layer, cfg.n_embd, seq_len, **kw)
-        base = cost.forward_flops(cfg.n_layer, cfg.n_embd, seq_len, residual='preln', ffn_hidden=cfg.ffn_hidden,
-                                  vocab_size=cfg.vocab_size, logits='all', attention='causal', **kw)
-        return extra / base
-    except (ImportError, AttributeError, ValueError, TypeError):
+    except ValueError:  # unknown scheme (a new one added to residuals.py only)
         return None
+    base = cost.forward_flops(cfg.n_layer, cfg.n_embd, seq_len, residual='preln', ffn_hidden=cfg.ffn_hidden,
+                              vocab_size=cfg.vocab_size, logits='all', attention='causal', **kw)
+    return extra / base
 
 
 def time_target(name, dff):
