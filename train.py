@@ -101,6 +101,24 @@ def fail(msg):
     sys.exit(f"error: {msg}")
 
 
+# the ranges the script relies on: a bad value is one line here, not a traceback (or an
+# endless run) later. None keeps its documented meaning.
+RANGES = {  # key -> (lowest allowed value, whether the lowest value itself is allowed)
+    'eval_interval': (1, True), 'log_interval': (1, True), 'eval_iters': (1, True),
+    'gradient_accumulation_steps': (1, True), 'batch_size': (1, True), 'block_size': (1, True),
+    'max_iters': (1, True), 'stop_iter': (1, True), 'warmup_iters': (0, True),
+    'learning_rate': (0, False), 'tokens_per_param': (0, False), 'weight_decay': (0, True),
+    'grad_clip': (0, True), 'warmup_frac': (0, True), 'min_lr_frac': (0, True),
+}
+for _key, (_low, _inclusive) in RANGES.items():
+    _v = globals()[_key]
+    if _v is not None and (_v < _low or (_v == _low and not _inclusive)):
+        fail(f"{_key}={_v} must be {'>=' if _inclusive else '>'} {_low}")
+for _key in ('warmup_frac', 'min_lr_frac'):
+    if globals()[_key] > 1:
+        fail(f"{_key}={globals()[_key]} is a fraction: give a value in [0, 1]")
+
+
 # -----------------------------------------------------------------------------
 # distributed set-up and devices
 

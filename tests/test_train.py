@@ -126,6 +126,18 @@ def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
                          check=False), 'does not exist')
 
 
+@pytest.mark.parametrize('arg,expect', [('--max_iters=-5', 'max_iters=-5 must be >= 1'),
+                                        ('--batch_size=0', 'batch_size=0 must be >= 1'),
+                                        ('--eval_interval=0', 'eval_interval=0 must be >= 1'),
+                                        ('--log_interval=0', 'log_interval=0 must be >= 1'),
+                                        ('--eval_iters=0', 'eval_iters=0 must be >= 1'),
+                                        ('--learning_rate=-1', 'learning_rate=-1 must be > 0'),
+                                        ('--min_lr_frac=1.5', 'fraction')])
+def test_out_of_range_settings_give_one_line_errors(arg, expect, data_dir, tmp_path):
+    """Values that would crash later, or never stop (a negative max_iters), are refused up front."""
+    one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path}', arg, check=False), expect)
+
+
 def test_nonfinite_loss_stops_with_diagnostic_checkpoint(data_dir, tmp_path):
     out = tmp_path / 'nan'
     r = train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=20', '--learning_rate=1e30',
