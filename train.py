@@ -6,7 +6,7 @@ lists them all.
 
 One GPU (or the CPU):
 $ python train.py config/attnres_L32.py
-Quick CPU run (a few minutes on 2 cores):
+Quick CPU run (about 8 minutes on 2 cores):
 $ python train.py config/cpu_attnres.py
 One node, 8 GPUs (DDP):
 $ torchrun --standalone --nproc_per_node=8 train.py config/attnres_L32.py
@@ -81,7 +81,7 @@ warmup_iters = None  # None = warmup_frac x max_iters
 warmup_frac = 0.1
 min_lr_frac = 0.1
 # system
-device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps'
+device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps'; default: cuda if present
 dtype = None  # None = bfloat16 autocast on CUDA, float32 elsewhere; 'float32', 'bfloat16', 'float16'
 compile = None  # torch.compile the model; None = on for CUDA, off elsewhere
 fsdp = False  # shard parameters with FSDP2 (fully_shard) instead of DDP under torchrun
