@@ -471,6 +471,8 @@ def format_table(rows, device_type):
     if noise:
         lines.append(f"noise: half the interquartile range of the per-round ratios is {statistics.median(noise):.1%} "
                      f"(median over rows; max {max(noise):.1%}); a verdict closer than that to its target is a toss-up")
+    elif any('pass_train' in r for r in rows):
+        lines.append("noise: unknown with fewer than 2 rounds; these verdicts are not settled (use --rounds=5 or more)")
     return '\n'.join(lines)
 
 
