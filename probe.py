@@ -879,7 +879,8 @@ def main(argv=None):
                    help="several checkpoints (or probe.json files) overlaid in one figure per metric")
     p.add_argument('--metrics', default='all', help=f"'all' or a comma list of: {', '.join(METRICS)}")
     p.add_argument('--out_dir', help="default: probe/ next to the checkpoint (compare: out/probe_compare)")
-    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu',
+                   help="where the model runs (default: cuda if present, else cpu)")
     p.add_argument('--dtype', default=None, choices=['float32', 'bfloat16'], help="default: bfloat16 on cuda")
     p.add_argument('--n_windows', type=int, default=None, help="override every metric's window count")
     p.add_argument('--seq_len', type=int, default=None, help="override every metric's window length")
@@ -887,14 +888,16 @@ def main(argv=None):
     p.add_argument('--seed', type=int, default=42, help="window sampling seed (probes.md §0)")
     p.add_argument('--val_bin', default=None, help="held-out tokens; default data/<dataset>/val.bin")
     p.add_argument('--tokenizer', default=None, help="default: from the dataset's meta.json")
-    p.add_argument('--eval_dir', default=str(evals.EVAL_DIR))
-    p.add_argument('--eval_batch_size', type=int, default=8)
+    p.add_argument('--eval_dir', default=str(evals.EVAL_DIR), help="evaluation sets from data/evals/prepare.py")
+    p.add_argument('--eval_batch_size', type=int, default=8, help="sequences per batch in prune / domain_nll")
     p.add_argument('--arc_limit', type=int, default=None, help="score only the first N ARC-Easy questions")
     p.add_argument('--nll_limit', type=int, default=None, help="score only the first N examples of each NLL task")
     p.add_argument('--perm_late_only', action='store_true', help="swap only late pairs (enough for R_perm)")
-    p.add_argument('--n_boot', type=int, default=1000)
-    p.add_argument('--causal_threshold', type=float, default=CAUSAL_THRESHOLD)
-    p.add_argument('--perm_threshold', type=float, default=PERM_THRESHOLD)
+    p.add_argument('--n_boot', type=int, default=1000, help="bootstrap resamples of the propagation statistics")
+    p.add_argument('--causal_threshold', type=float, default=CAUSAL_THRESHOLD,
+                   help="R_causal counts blocks whose causal score C exceeds this (Eq. 6)")
+    p.add_argument('--perm_threshold', type=float, default=PERM_THRESHOLD,
+                   help="R_perm counts block pairs whose permutation score P exceeds this (Eq. 8)")
     p.add_argument('--label', default=None, help="name in figures (default: the checkpoint's directory)")
     args = p.parse_args(argv)
     try:
