@@ -275,7 +275,7 @@ print0(f"model: {model.config.residual}, L={model.config.n_layer}, d={model.conf
        f"{n_params:,} parameters ({model.num_params(non_embedding=True):,} without the embedding)")
 print0(f"tokens per iteration: {gradient_accumulation_steps} accum x {world_size} procs x {batch_size} seqs x "
        f"{block_size} tokens = {tokens_per_iter:,}; {max_iters:,} iterations = {max_iters * tokens_per_iter:,} tokens "
-       f"({max_iters * tokens_per_iter / n_params:.1f} per parameter)")
+       f"({max_iters * tokens_per_iter / n_params:.3g} per parameter)")
 print0(f"peak lr {learning_rate:g}, warmup {warmup_iters} iters, cosine to {min_lr_frac:g} x peak; "
        f"device {device}, dtype {dtype}, compile {compile}")
 
