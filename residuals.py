@@ -1106,7 +1106,49 @@ class DepthReadFunction(torch.autograd.Function):
         return (gq.to(q.dtype), None, *gK, *gV)
 
 
-def depth_attention(q, k, v, depth_k, depth_v):
+# the fused CPU attention kernel that also returns the log-sum-exp of each query's scores
+# (None if this torch build lacks it: depth_attention then uses the portable null-key form)
+_CPU_FLASH = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
+
+
+class MergeDepthFunction(torch.autograd.Function):
+    """MoDA's joint softmax on the CPU: fused causal attention over the sequence keys, merged
+    with the depth read by the two partial softmaxes' log-sum-exps. Call as
+
+        y = MergeDepthFunction.apply(q, k, v, y_dep, lse_dep, scale)
+
+    q, k, v: (B, H, T, hd) (key/value heads already repeated for GQA); y_dep (B, H, T, hd)
+    and lse_dep (B, H, T) fp32 from `DepthReadFunction`. With (o, lse) the kernel's output and
+    log-sum-exp over the causal keys and alpha = sigmoid(lse - lse_dep) (the sequence keys'
+    share of the joint softmax mass, fp32):  y = alpha o + (1 - alpha) y_dep.
+    Backward, with incoming gy: the kernel's own backward given grad_out = alpha gy and
+    out = y (not o): the kernel's row term sum(grad_out * out) then equals
+    alpha gy . o - glse with glse = alpha (1 - alpha) gy . (o - y_dep), the gradient reaching
+    lse, so q, k, v get the exact gradient through both o and lse. And
+    g y_dep = (1 - alpha) gy,  g lse_dep = -(1 - alpha) gy . (y - y_dep)  (= -glse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, y_dep, lse_dep, scale):
+        o, lse = _CPU_FLASH(q, k, v, 0.0, True, scale=scale)                 # (B, H, T, hd), (B, H, T)
+        alpha = torch.sigmoid(lse.to(lse_dep.dtype) - lse_dep).unsqueeze(-1)  # (B, H, T, 1) fp32
+        y = torch.lerp(y_dep.to(alpha.dtype), o.to(alpha.dtype), alpha).to(q.dtype)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, y, lse, alpha, y_dep)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        q, k, v, y, lse, alpha, y_dep = ctx.saved_tensors
+        gy = gy.to(alpha.dtype)
+        gq, gk, gv = _CPU_FLASH_BACKWARD((alpha * gy).to(q.dtype), q, k, v, y, lse, 0.0, True, scale=ctx.scale)
+        g_y_dep = ((1 - alpha) * gy).to(y_dep.dtype)
+        g_lse_dep = -(1 - alpha).squeeze(-1) * torch.linalg.vecdot(gy, (y - y_dep).to(alpha.dtype))
+        return gq, gk, gv, g_y_dep, g_lse_dep, None
+
+
+def depth_attention(q, k, v, depth_k, depth_v, method=None):
     """The joint sequence-and-depth attention of MoDA (arXiv 2603.15619; schemes.md "MoDA"):
 
         a_t = softmax([q_t . k_s, s <= t  |  q_t . K_depth[t, j], j < S] / sqrt(hd))
@@ -1115,27 +1157,43 @@ def depth_attention(q, k, v, depth_k, depth_v):
     ONE softmax over the causal sequence keys and the S depth keys of the same token,
     computed exactly without an explicit (T x (T + S)) score matrix. The depth part
     collapses into one key per query: logit lse_t = log sum_j exp(d_tj) (fp32) and value
-    y_dep,t = softmax(d_t) . V_depth[t] (`DepthReadFunction`). Shifting query t's sequence
-    scores by -lse_t through one extra head dimension (q' = [q, -lse / scale], k' = [k, 1])
-    and prepending a null key (score 0, value e_hd) that every query sees (a dummy query
-    at position 0 keeps the causal mask square) lets fused `F.scaled_dot_product_attention` give
-        o_t = sum_s a_ts v_s   and   o_t[hd] = a_t,null = (total depth weight),
-    so y_t = o_t[:hd] + o_t[hd] * y_dep,t — differentiable end to end. (The shift is stored in
-    q's dtype; the exact correction for its rounding keeps bf16 outputs as close as plain
-    bf16 attention's, whatever the size of lse.)
+    y_dep,t = softmax(d_t) . V_depth[t] (`DepthReadFunction`). The sequence part runs in a
+    fused attention kernel; the two are merged in one of two exact ways (`method`):
+      'flash_cpu' (CPU default): the CPU kernel also returns each query's log-sum-exp over
+        its causal keys, and the partial results are merged by their masses
+        (`MergeDepthFunction`, hand-written backward through the kernel's own);
+      'null_key' (every other device; portable, public API only): shifting query t's
+        sequence scores by -lse_t through one extra head dimension (q' = [q, -lse / scale],
+        k' = [k, 1]) and prepending a null key (score 0, value e_hd) that every query sees
+        (a dummy query at position 0 keeps the causal mask square) lets fused
+        `F.scaled_dot_product_attention` give o_t = sum_s a_ts v_s and o_t[hd] = a_t,null
+        (the total depth weight), so y_t = o_t[:hd] + o_t[hd] * y_dep,t. It costs one more
+        key, query and head dimension per block (~8% slower on the CPU), and the shift is
+        stored in q's dtype: the exact correction for its rounding keeps bf16 outputs as
+        close as plain bf16 attention's, whatever the size of lse.
     q: (B, H, T, hd) after RoPE; k: (B, H_kv, T, hd) after RoPE; v: (B, H_kv, T, hd);
     depth_k, depth_v: sequences of S >= 0 slots (B, H_kv, T, hd) (S = 0: plain causal
     attention). GQA: query head i reads key/value head i // (H / H_kv). Returns y (B, H, T, hd).
+    Raises ValueError for an unknown method or 'flash_cpu' off the CPU.
     `depth_attention_reference` is the same function written as the plain formula."""
     B, H, T, hd = q.shape
     Hkv, S = k.size(1), len(depth_k)
     assert len(depth_v) == S and H % Hkv == 0
+    if method is None:
+        method = 'flash_cpu' if q.device.type == 'cpu' and _CPU_FLASH is not None else 'null_key'
+    if method not in ('flash_cpu', 'null_key') or (method == 'flash_cpu' and q.device.type != 'cpu'):
+        raise ValueError(f"depth_attention: method must be 'flash_cpu' (CPU only) or 'null_key', "
+                         f"got {method!r} on {q.device.type}")
     gqa = H != Hkv
     if S == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     scale = hd ** -0.5
     y_dep, lse = DepthReadFunction.apply(q.view(B, Hkv, H // Hkv, T, hd), scale, *depth_k, *depth_v)
     y_dep, lse = y_dep.view(B, H, T, hd), lse.view(B, H, T)
+    if method == 'flash_cpu':
+        if gqa:  # the kernel has no GQA: repeat each key/value head for its H / H_kv query heads
+            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        return MergeDepthFunction.apply(q, k, v, y_dep, lse, scale)
     shift = (-lse / scale).to(q.dtype)                                               # (B, H, T), in q's dtype
     # position 0 of keys and queries: the null key, and a dummy query whose output is dropped
     q1 = F.pad(torch.cat((q, shift.unsqueeze(-1)), dim=-1), (0, 0, 1, 0))             # (B, H, 1 + T, hd + 1)

@@ -67,8 +67,8 @@ def check_flops(cfg, T, B):
     sums = {sum(terms[k] for k in sub) for n in range(len(optional) + 1)
             for sub in itertools.combinations(optional, n)}
     if scheme == 'moda':
-        # depth_attention runs one SDPA over a null key + T keys, a dummy + T queries and
-        # hd + 1 dims on every block that reads depth slots (blocks 1..L-1): FLOPs the
+        # off the CPU (here: 'meta') depth_attention's null-key form runs one SDPA over a null
+        # key + T keys, a dummy + T queries and hd + 1 dims on every block that reads depth slots (blocks 1..L-1): FLOPs the
         # counter sees that the analytic model (plain T x T attention) does not have
         L, H, hd = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
         extra = (L - 1) * 4 * B * H * ((T + 1) ** 2 * (hd + 1) - T * T * hd)

@@ -299,15 +299,19 @@ def naive_depth_attention(q, k, v, dk, dv):
     return y
 
 
+METHODS = ['flash_cpu', 'null_key']  # the two exact merges of depth_attention, both on the CPU
+
+
+@pytest.mark.parametrize('method', METHODS)
 @pytest.mark.parametrize('H,Hkv,S', [(4, 4, 3), (4, 2, 2), (4, 1, 5), (2, 1, 0)])
-def test_depth_attention_is_one_joint_softmax(H, Hkv, S):
+def test_depth_attention_is_one_joint_softmax(H, Hkv, S, method):
     g = torch.Generator().manual_seed(0)
     B, T, hd = 2, 6, 8
     q = torch.randn(B, H, T, hd, generator=g)
     k, v = torch.randn(2, B, Hkv, T, hd, generator=g)
     dk, dv = torch.randn(2, B, Hkv, T, S, hd, generator=g)
     slots_k, slots_v = dk.unbind(3), dv.unbind(3)  # S tensors (B, Hkv, T, hd)
-    y = depth_attention(q, k, v, slots_k, slots_v)
+    y = depth_attention(q, k, v, slots_k, slots_v, method=method)
     naive = naive_depth_attention(q, k, v, dk, dv)
     assert close(y, naive)
     assert close(depth_attention_reference(q, k, v, slots_k, slots_v), naive)
@@ -316,10 +320,12 @@ def test_depth_attention_is_one_joint_softmax(H, Hkv, S):
         assert close(y, ref)
 
 
+@pytest.mark.parametrize('method', METHODS)
 @pytest.mark.parametrize('H,Hkv,S', [(4, 4, 3), (4, 2, 2), (2, 1, 1)])
-def test_depth_attention_gradients(H, Hkv, S):
-    """The null-key SDPA form and DepthReadFunction's hand-written backward: gradcheck in
-    fp64, and the same gradients as the explicit-score formula left to autograd."""
+def test_depth_attention_gradients(H, Hkv, S, method):
+    """Both merges (MergeDepthFunction's hand-written backward through the CPU kernel's,
+    the null-key SDPA form) and DepthReadFunction's backward: gradcheck in fp64, and the
+    same gradients as the explicit-score formula left to autograd."""
     g = torch.Generator().manual_seed(1)
     B, T, hd = 2, 5, 4
     def leaf(*shape):
@@ -327,7 +333,7 @@ def test_depth_attention_gradients(H, Hkv, S):
     q, k, v = leaf(B, H, T, hd), leaf(B, Hkv, T, hd), leaf(B, Hkv, T, hd)
     slots = [leaf(B, Hkv, T, hd) for _ in range(2 * S)]
     def f(q, k, v, *slots):
-        return depth_attention(q, k, v, slots[:S], slots[S:])
+        return depth_attention(q, k, v, slots[:S], slots[S:], method=method)
     assert torch.autograd.gradcheck(f, (q, k, v, *slots))
     w = torch.randn(B, H, T, hd, generator=g, dtype=torch.float64)
     inputs = (q, k, v, *slots)
@@ -337,7 +343,8 @@ def test_depth_attention_gradients(H, Hkv, S):
         assert torch.allclose(a, b, atol=1e-6)  # the reference's softmax is fp32
 
 
-def test_depth_attention_bf16_close_to_fp32():
+@pytest.mark.parametrize('method', METHODS)
+def test_depth_attention_bf16_close_to_fp32(method):
     g = torch.Generator().manual_seed(2)
     B, H, Hkv, T, hd, S = 2, 4, 2, 32, 16, 4
     q = 2 * torch.randn(B, H, T, hd, generator=g)
@@ -345,14 +352,16 @@ def test_depth_attention_bf16_close_to_fp32():
     K, V = list(2 * torch.randn(S, B, Hkv, T, hd, generator=g)), list(torch.randn(S, B, Hkv, T, hd, generator=g))
     ref = depth_attention_reference(q, k, v, K, V)
     bf = [t.bfloat16() for t in (q, k, v)]
-    y = depth_attention(*bf, [t.bfloat16() for t in K], [t.bfloat16() for t in V])
+    y = depth_attention(*bf, [t.bfloat16() for t in K], [t.bfloat16() for t in V], method=method)
     assert y.dtype == torch.bfloat16
     assert ((y.float() - ref).norm() / ref.norm()) < 0.02
 
 
-def test_depth_attention_bf16_error_does_not_grow_with_lse():
-    """The -lse shift rides in q's dtype; its rounding is corrected exactly, so large depth
-    scores keep the bf16 error near plain bf16 attention's (0.09%; uncorrected: 0.8%)."""
+@pytest.mark.parametrize('method', METHODS)
+def test_depth_attention_bf16_error_does_not_grow_with_lse(method):
+    """Large depth scores keep the bf16 error near plain bf16 attention's (0.06% here). The
+    null-key form carries the -lse shift in q's dtype and corrects its rounding exactly
+    (0.09%; uncorrected: 0.8%); the CPU merge keeps lse in fp32 throughout."""
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, T, hd, S, sc = 2, 4, 2, 64, 16, 4, 10.0
     q = sc * torch.randn(B, H, T, hd, generator=g)
@@ -363,8 +372,33 @@ def test_depth_attention_bf16_error_does_not_grow_with_lse():
     bf = [t.bfloat16() for t in (q, k, v)]
     Kb, Vb = [t.bfloat16() for t in K], [t.bfloat16() for t in V]
     ref = depth_attention_reference(*[t.double() for t in bf], [t.double() for t in Kb], [t.double() for t in Vb])
-    y = depth_attention(*bf, Kb, Vb).double()
+    y = depth_attention(*bf, Kb, Vb, method=method).double()
     assert ((y - ref).norm() / ref.norm()) < 0.002  # plain bf16 SDPA here: 0.0006
+
+
+@pytest.mark.parametrize('method', METHODS)
+def test_depth_attention_bf16_gradients_close_to_fp32(method):
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, T, hd, S = 2, 4, 2, 32, 16, 3
+    ts = [2 * torch.randn(B, H, T, hd, generator=g)] + [2 * torch.randn(B, Hkv, T, hd, generator=g) for _ in range(2 + 2 * S)]
+    w = torch.randn(B, H, T, hd, generator=g)
+    def grads(dtype, fn):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in ts]
+        q, k, v, *slots = leaves
+        (fn(q, k, v, slots[:S], slots[S:]).float() * w).sum().backward()
+        return [t.grad.float() for t in leaves]
+    ref = grads(torch.float32, depth_attention_reference)
+    ours = grads(torch.bfloat16, lambda *a: depth_attention(*a, method=method))
+    for a, b in zip(ours, ref):
+        assert ((a - b).norm() / b.norm()) < 0.03
+
+
+def test_depth_attention_method_errors():
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="method must be"):
+        depth_attention(q, q, q, [q], [q], method='flash')
+    with pytest.raises(ValueError, match="CPU only"):
+        depth_attention(q.to('meta'), q.to('meta'), q.to('meta'), [q.to('meta')], [q.to('meta')], method='flash_cpu')
 
 
 def moda(L=3, use_depth=True, **kw):
