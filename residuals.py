@@ -1169,9 +1169,8 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None):
         `F.scaled_dot_product_attention` give o_t = sum_s a_ts v_s and o_t[hd] = a_t,null
         (the total depth weight), so y_t = o_t[:hd] + o_t[hd] * y_dep,t. It costs one more
         key, query and head dimension per block (a MoDA training step 6-10% slower on a
-        2-core CPU), and the shift is
-        stored in q's dtype: the exact correction for its rounding keeps bf16 outputs as
-        close as plain bf16 attention's, whatever the size of lse.
+        2-core CPU), and the shift is stored in q's dtype: the exact correction for its
+        rounding keeps bf16 outputs as close as plain bf16 attention's, whatever lse is.
     q: (B, H, T, hd) after RoPE; k: (B, H_kv, T, hd) after RoPE; v: (B, H_kv, T, hd);
     depth_k, depth_v: sequences of S >= 0 slots (B, H_kv, T, hd) (S = 0: plain causal
     attention). GQA: query head i reads key/value head i // (H / H_kv). Returns y (B, H, T, hd).
