@@ -1112,6 +1112,12 @@ _CPU_FLASH = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cp
 _CPU_FLASH_BACKWARD = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
 
 
+@torch.compiler.assume_constant_result  # a Python bool: torch.compile takes its value when it traces
+def flash_backend_enabled():
+    """Whether SDPA may use its flash kernels here (False inside sdpa_kernel(SDPBackend.MATH))."""
+    return torch.backends.cuda.flash_sdp_enabled()
+
+
 class MergeDepthFunction(torch.autograd.Function):
     """MoDA's joint softmax on the CPU: fused causal attention over the sequence keys, merged
     with the depth read by the two partial softmaxes' log-sum-exps. Call as
@@ -1159,11 +1165,12 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None):
     collapses into one key per query: logit lse_t = log sum_j exp(d_tj) (fp32) and value
     y_dep,t = softmax(d_t) . V_depth[t] (`DepthReadFunction`). The sequence part runs in a
     fused attention kernel; the two are merged in one of two exact ways (`method`):
-      'flash_cpu' (CPU default): the CPU kernel also returns each query's log-sum-exp over
-        its causal keys, and the partial results are merged by their masses
-        (`MergeDepthFunction`, hand-written backward through the kernel's own);
-      'null_key' (every other device; portable, public API only): shifting query t's
-        sequence scores by -lse_t through one extra head dimension (q' = [q, -lse / scale],
+      'flash_cpu' (the CPU default, unless sdpa_kernel has turned the flash backend off, as
+        cost.flop_check does to count attention): the CPU kernel also returns each
+        query's log-sum-exp over its causal keys, and the partial results are merged by
+        their masses (`MergeDepthFunction`, hand-written backward through the kernel's own);
+      'null_key' (every other device; portable, public API only; `merge_null_key`):
+        shifting query t's sequence scores by -lse_t through one extra head dimension (q' = [q, -lse / scale],
         k' = [k, 1]) and prepending a null key (score 0, value e_hd) that every query sees
         (a dummy query at position 0 keeps the causal mask square) lets fused
         `F.scaled_dot_product_attention` give o_t = sum_s a_ts v_s and o_t[hd] = a_t,null
@@ -1174,14 +1181,15 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None):
     q: (B, H, T, hd) after RoPE; k: (B, H_kv, T, hd) after RoPE; v: (B, H_kv, T, hd);
     depth_k, depth_v: sequences of S >= 0 slots (B, H_kv, T, hd) (S = 0: plain causal
     attention). GQA: query head i reads key/value head i // (H / H_kv). Returns y (B, H, T, hd).
-    Raises ValueError for an unknown method or 'flash_cpu' off the CPU.
+    Raises ValueError for an unknown method, or 'flash_cpu' off the CPU or without the kernel.
     `depth_attention_reference` is the same function written as the plain formula."""
     B, H, T, hd = q.shape
     Hkv, S = k.size(1), len(depth_k)
     assert len(depth_v) == S and H % Hkv == 0
-    if method is None:
-        method = 'flash_cpu' if q.device.type == 'cpu' and _CPU_FLASH is not None else 'null_key'
-    if method not in ('flash_cpu', 'null_key') or (method == 'flash_cpu' and q.device.type != 'cpu'):
+    cpu_flash = q.device.type == 'cpu' and _CPU_FLASH is not None
+    if method is None:  # the CPU kernel wherever SDPA itself would pick it (not under sdpa_kernel(MATH))
+        method = 'flash_cpu' if cpu_flash and flash_backend_enabled() else 'null_key'
+    if method not in ('flash_cpu', 'null_key') or (method == 'flash_cpu' and not cpu_flash):
         raise ValueError(f"depth_attention: method must be 'flash_cpu' (CPU only) or 'null_key', "
                          f"got {method!r} on {q.device.type}")
     gqa = H != Hkv
@@ -1190,16 +1198,27 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None):
     scale = hd ** -0.5
     y_dep, lse = DepthReadFunction.apply(q.view(B, Hkv, H // Hkv, T, hd), scale, *depth_k, *depth_v)
     y_dep, lse = y_dep.view(B, H, T, hd), lse.view(B, H, T)
-    if method == 'flash_cpu':
-        if gqa:  # the kernel has no GQA: repeat each key/value head for its H / H_kv query heads
-            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-        return MergeDepthFunction.apply(q, k, v, y_dep, lse, scale)
+    if method == 'null_key':
+        return merge_null_key(q, k, v, y_dep, lse, scale)
+    if gqa:  # the kernel has no GQA: repeat each key/value head for its H / H_kv query heads
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    return MergeDepthFunction.apply(q, k, v, y_dep, lse, scale)
+
+
+def merge_null_key(q, k, v, y_dep, lse, scale):
+    """The 'null_key' merge of `depth_attention`: fused causal SDPA over a null key (score
+    0, value e_hd) and the sequence keys, whose scores are shifted by -lse through one
+    extra head dimension; the null key's weight is the depth part's share of the joint softmax.
+    q: (B, H, T, hd); k, v: (B, H_kv, T, hd); y_dep (B, H, T, hd) and lse (B, H, T) fp32
+    from `DepthReadFunction`. Returns y (B, H, T, hd) in q's dtype."""
+    B, H, T, hd = q.shape
+    Hkv = k.size(1)
     shift = (-lse / scale).to(q.dtype)                                               # (B, H, T), in q's dtype
     # position 0 of keys and queries: the null key, and a dummy query whose output is dropped
     q1 = F.pad(torch.cat((q, shift.unsqueeze(-1)), dim=-1), (0, 0, 1, 0))             # (B, H, 1 + T, hd + 1)
     k1 = F.pad(torch.cat((k, k.new_ones(B, Hkv, T, 1)), dim=-1), (0, 0, 1, 0))       # (B, H_kv, 1 + T, hd + 1)
     v1 = F.pad(v, (0, 1, 1, 0)) + F.pad(v.new_ones(1, 1, 1, 1), (hd, 0, 0, T))      # (B, H_kv, 1 + T, hd + 1), null value e_hd
-    o = F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, scale=scale, enable_gqa=gqa)[:, :, 1:]  # (B, H, T, hd + 1)
+    o = F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, scale=scale, enable_gqa=H != Hkv)[:, :, 1:]  # (B, H, T, hd + 1)
     if shift.dtype == lse.dtype:  # fp32/fp64: the shift is lse up to the last bit
         return o[..., :hd] + o[..., hd:] * y_dep
     # bf16/fp16: the kernel shifted by the rounded -shift * scale, not by lse: with

@@ -94,6 +94,13 @@ def test_forward_flops_match_flop_counter(scheme, shape):
     check_flops(config(scheme, **shape), T=16, B=2)
 
 
+def test_flop_check_on_cpu_counts_what_meta_counts():
+    """On a real CPU MoDA would use the CPU flash kernel, invisible to the counter;
+    flop_check's sdpa_kernel(MATH) turns it off, so both devices count the same FLOPs."""
+    cfg = GPTConfig(n_layer=3, n_embd=64, n_head=4, n_kv_head=2, block_size=32, vocab_size=100, residual='moda')
+    assert cost.flop_check(cfg, 32, device='cpu')['counted'] == cost.flop_check(cfg, 32)['counted']
+
+
 @pytest.mark.parametrize('m', [2, 3])
 @pytest.mark.parametrize('scheme', ['hc', 'mhc'])
 def test_stream_count_generalisation(scheme, m):

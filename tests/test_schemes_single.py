@@ -407,6 +407,15 @@ def moda(L=3, use_depth=True, **kw):
     return model
 
 
+def test_moda_traces_to_one_graph():
+    """torch.compile sees the whole MoDA model (both autograd Functions, the method choice)
+    as one graph: no graph break."""
+    model = moda()
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    explain = torch._dynamo.explain(lambda i: model(i, i)[1])(idx)
+    assert (explain.graph_count, explain.graph_break_count) == (1, 0), explain.break_reasons
+
+
 def test_moda_masked_depth_is_preln_and_block0_is_plain():
     idx = tokens()
     pre = randomize_scheme(make('preln', L=3, d=32, H=4, kv=2, seed=7))
