@@ -47,9 +47,9 @@ import json
 import os
 import re
 import shlex
-import textwrap
 import subprocess
 import sys
+import textwrap
 
 import families
 

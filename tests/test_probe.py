@@ -21,7 +21,6 @@ from tokenizer import get_tokenizer  # noqa: E402
 V, T = 64, 12
 
 
-
 def tiny(residual='preln', n_layer=4, vocab_size=V, seed=0, block_size=32, **kw):
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=2, n_embd=16,

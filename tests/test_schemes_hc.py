@@ -19,7 +19,6 @@ V = 128          # vocabulary of the tiny test models
 SCHEMES = ('hc', 'mhc', 'blockattnres')
 
 
-
 def make(residual, n_layer=4, n_embd=64, seed=0, **kw):
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=V, block_size=32, n_layer=n_layer, n_head=4, n_embd=n_embd,
