@@ -452,12 +452,18 @@ def format_table(rows, device_type):
     for r in rows:
         mib = (r['cuda_peak_bytes'] if device_type == 'cuda' else r['saved_bytes']) / 2**20
         target = '-' if 'target' not in r else f"{r['target']:.3f}x {r['target_vs']}"
-        verdict = lambda k: '-' if k not in r else ('PASS' if r[k] else 'FAIL')
+        def verdict(kind):  # PASS, FAIL, or FAIL? when over the target by less than the row's noise
+            if f'pass_{kind}' not in r:
+                return '-'
+            if r[f'pass_{kind}']:
+                return 'PASS'
+            ratio, noise = r[f"{kind}_vs_{r['target_vs']}"], r[f'{kind}_ratio_noise']
+            return 'FAIL?' if noise is not None and ratio / r['target'] - 1 <= noise else 'FAIL'
         lines.append(f"{r['name']:>13} {r['params']:>9,} {f(r['delta_f_over_f'], '6.1%')} {f(r['train_ms'], '8.1f')} "
                      f"{f(r['train_vs_preln'], '6.3f')} {f(r['train_vs_plain'], '6.3f')} "
                      f"{f(r['prefill_tokens_per_s'], '13,.0f')} {f(r['prefill_vs_preln'], '6.3f')} "
                      f"{f(r['prefill_vs_plain'], '6.3f')} {mib:9.1f} {r['mem_vs_preln']:6.3f} "
-                     f"{f(r['mfu'], '5.1%')} {target:>12} {verdict('pass_train'):>5} {verdict('pass_prefill'):>7}")
+                     f"{f(r['mfu'], '5.1%')} {target:>12} {verdict('train'):>5} {verdict('prefill'):>7}")
         if 'recompiles' in r:
             lines[-1] += f"  graphs {r['graphs_warmup']}, breaks {r['graph_breaks_warmup']}, recompiles {r['recompiles']}"
     for r in rows:
@@ -470,7 +476,8 @@ def format_table(rows, device_type):
     noise = [r[k] for r in rows for k in ('train_ratio_noise', 'prefill_ratio_noise') if r.get(k) is not None]
     if noise:
         lines.append(f"noise: half the interquartile range of the per-round ratios is {statistics.median(noise):.1%} "
-                     f"(median over rows; max {max(noise):.1%}); a verdict closer than that to its target is a toss-up")
+                     f"(median over rows; max {max(noise):.1%}); FAIL? = over its target by less than that row's "
+                     f"noise: a toss-up that this run does not settle")
     elif any('pass_train' in r for r in rows):
         lines.append("noise: unknown with fewer than 2 rounds; these verdicts are not settled (use --rounds=5 or more)")
     return '\n'.join(lines)
@@ -507,8 +514,9 @@ def main(argv=None):
         dt = o.dtype or ('bfloat16' if dev.type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32')
         if dt not in ('float32', 'bfloat16', 'float16'):
             raise ValueError(f"dtype={dt!r}: use float32, bfloat16 or float16")
-        if o.steps < 0 or o.warmup < 0 or o.rounds < 1 or o.threads < 0 or o.batch_size < 1:
-            raise ValueError("steps, warmup and threads must be >= 0, rounds and batch_size >= 1")
+        for key, low in (('steps', 0), ('warmup', 0), ('threads', 0), ('rounds', 1), ('batch_size', 1)):
+            if getattr(o, key) < low:
+                raise ValueError(f"{key}={getattr(o, key)} must be >= {low}")
         if o.steps and o.steps < o.rounds:
             raise ValueError(f"steps={o.steps} < rounds={o.rounds}: every round needs a step; "
                              f"raise --steps or lower --rounds")

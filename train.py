@@ -82,7 +82,7 @@ warmup_frac = 0.1
 min_lr_frac = 0.1
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps'; default: cuda if present
-dtype = None  # None = bfloat16 autocast on CUDA, float32 elsewhere; 'float32', 'bfloat16', 'float16'
+dtype = None  # None = bfloat16 autocast on CUDA, float32 elsewhere; 'float32', or 'bfloat16'/'float16' (CUDA only)
 compile = None  # torch.compile the model; None = on for CUDA, off elsewhere
 fsdp = False  # shard parameters with FSDP2 (fully_shard) instead of DDP under torchrun
 backend = None  # torch.distributed backend; None = nccl on CUDA, gloo on CPU

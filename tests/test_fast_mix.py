@@ -254,12 +254,28 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize('arg, msg', [('--schemes=nope', 'unknown scheme'),
-                                      ('--rounds=0', 'rounds'),
+                                      ('--rounds=0', 'rounds=0 must be >= 1'),
+                                      ('--steps=-1', 'steps=-1 must be >= 0'),
+                                      ('--threads=-2', 'threads=-2 must be >= 0'),
                                       ('--n_head=3', 'divisible')])
 def test_bench_user_errors(arg, msg):
     with pytest.raises(SystemExit) as e:
         bench.main(TINY + [arg])
     assert msg in str(e.value) and str(e.value).startswith('error:')
+
+
+def test_bench_verdicts_say_when_the_noise_leaves_them_open():
+    """A ratio over its target by less than the row's noise is FAIL?, not FAIL."""
+    def row(name, ratio, noise):
+        return dict(name=name, params=1, delta_f_over_f=0.0, train_ms=1.0, train_vs_preln=ratio,
+                    train_vs_plain=ratio, prefill_tokens_per_s=1.0, prefill_vs_preln=ratio, prefill_vs_plain=ratio,
+                    saved_bytes=2**20, mem_vs_preln=1.0, mfu=None, target=1.25, target_vs='preln',
+                    pass_train=ratio <= 1.25, pass_prefill=ratio <= 1.25,
+                    train_ratio_noise=noise, prefill_ratio_noise=noise)
+    table = bench.format_table([row('a', 1.20, 0.05), row('b', 1.30, 0.05), row('c', 1.40, 0.05)], 'cpu')
+    verdicts = {line.split()[0]: line.split()[-2:] for line in table.splitlines()[2:5]}
+    assert verdicts == {'a': ['PASS', 'PASS'], 'b': ['FAIL?', 'FAIL?'], 'c': ['FAIL', 'FAIL']}
+    assert 'FAIL? = over its target by less than' in table
 
 
 # -----------------------------------------------------------------------------
