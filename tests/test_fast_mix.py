@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
 import residuals  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from compile_check import assert_compiled_matches_eager  # noqa: E402
 from residuals import DepthMixFunction, depth_mix, depth_mix_reference  # noqa: E402
 
 
@@ -286,9 +287,6 @@ def test_compiled_attnres_one_graph_same_gradients():
     """torch.compile of a whole AttnRes model traces the custom Function into one graph
     (no graph break, no recompile across the reads of different lengths) and gives the
     eager gradients."""
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    counters.clear()
     cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=31, residual='attnres')
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -296,18 +294,4 @@ def test_compiled_attnres_one_graph_same_gradients():
         for layer in model.residual.layers:
             layer.mlp_mix.query.normal_()
             layer.out_mix.query.normal_()
-    idx = torch.randint(0, 31, (2, 16))
-    _, loss = model(idx, idx)
-    loss.backward()
-    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    compiled = torch.compile(model, backend='aot_eager')
-    for _ in range(2):
-        model.zero_grad()
-        _, loss_c = compiled(idx, idx)
-        loss_c.backward()
-    assert counters['stats']['unique_graphs'] == 1
-    assert sum(counters['graph_break'].values()) == 0
-    torch.testing.assert_close(loss_c, loss)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, eager[n], rtol=1e-4, atol=1e-6)
+    assert_compiled_matches_eager(model, torch.randint(0, 31, (2, 16)))

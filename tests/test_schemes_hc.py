@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compile_check import assert_compiled_matches_eager
 from model import GPT, GPTConfig
 from residuals import NormedProjection, sinkhorn
 
@@ -313,23 +314,9 @@ def test_compiled_sinkhorn_matches_eager():
 def test_compiled_multistream_one_graph_same_gradients(residual):
     """torch.compile takes the compiled-only forms (the read/mix as a broadcast product summed
     over streams, Sinkhorn as scalings): one graph, no break, the eager loss and gradients."""
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    counters.clear()
     model = make(residual, n_layer=2, n_embd=32)
     perturb(model)
-    idx = tokens()
-    _, loss = model(idx, idx)
-    loss.backward()
-    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    _, loss_c = torch.compile(model, backend='aot_eager')(idx, idx)
-    loss_c.backward()
-    assert counters['stats']['unique_graphs'] == 1
-    assert sum(counters['graph_break'].values()) == 0
-    torch.testing.assert_close(loss_c, loss)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, eager[n], rtol=1e-4, atol=1e-6)
+    assert_compiled_matches_eager(model, tokens())
 
 
 def test_sinkhorn_rejects_bad_input():
