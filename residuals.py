@@ -493,8 +493,8 @@ class MultiStream(Residual):
 
     (RMSNorm = the sublayer's ordinary pre-norm attn_norm / mlp_norm). Read and mix are one
     batched matmul [r | M]^T H (under torch.compile: the same product written as a broadcast
-    multiply summed over the streams, which inductor fuses into one pass). The embedding is copied into every stream; the readout is
-    the sum of the streams. probe = the m streams concatenated (B, T, m d), lens = their
+    multiply summed over the streams, which inductor fuses into one pass). The embedding is
+    copied into every stream; the readout is the sum of the streams. probe = the m streams concatenated (B, T, m d), lens = their
     sum (B, T, d) (probes.md §0, §5); skip = identity on all streams, no mixing and no
     write (probes.md §2). Trace per sublayer: read r (B, T, m), mix M (B, T, m, m) with
     new stream t = sum_s M[s, t] H[s], write w (B, T, m).
@@ -1198,10 +1198,10 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None):
         query's log-sum-exp over its causal keys, and the partial results are merged by
         their masses (`MergeDepthFunction`, hand-written backward through the kernel's own);
       'null_key' (every other device; portable, public API only; `merge_null_key`):
-        shifting query t's sequence scores by -lse_t through one extra head dimension (q' = [q, -lse / scale],
-        k' = [k, 1]) and prepending a null key (score 0, value e_hd) that every query sees
-        (a dummy query at position 0 keeps the causal mask square) lets fused
-        `F.scaled_dot_product_attention` give o_t = sum_s a_ts v_s and o_t[hd] = a_t,null
+        shifting query t's sequence scores by -lse_t through one extra head dimension
+        (q' = [q, -lse / scale], k' = [k, 1]) and prepending a null key (score 0, value
+        e_hd) that every query sees (a dummy query at position 0 keeps the causal mask
+        square) lets fused `F.scaled_dot_product_attention` give o_t = sum_s a_ts v_s and o_t[hd] = a_t,null
         (the total depth weight), so y_t = o_t[:hd] + o_t[hd] * y_dep,t. It costs one more
         key, query and head dimension per block (a MoDA training step 6-10% slower on a
         2-core CPU), and the shift is stored in q's dtype: the exact correction for its
