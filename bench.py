@@ -28,7 +28,8 @@ PASS/FAIL against the time budget
 Memory: on CUDA the peak allocated during one training step above what was allocated
 before it (`torch.cuda.max_memory_allocated`); on every device the bytes of the unique
 storages autograd saves for backward in one forward pass (`saved_activation_bytes`), a
-deterministic proxy of activation memory (the CPU allocator is not tracked).
+deterministic proxy of activation memory, taken on the eager model also with --compile=True
+(the CPU allocator is not tracked).
 
 Timing discipline (STYLE.md, modded-nanogpt): all models are built and warmed up (and
 compiled, with --compile=True) on the exact shapes first; then model and optimizer state
@@ -523,7 +524,10 @@ def main(argv=None):
         cfg_kw = dict(n_layer=o.n_layer, n_embd=o.n_embd, n_head=o.n_head, n_kv_head=o.n_kv_head,
                       block_size=o.block_size, vocab_size=o.vocab_size, hc_streams=o.hc_streams,
                       attnres_blocks=o.attnres_blocks, batch_size=o.batch_size)
-        GPTConfig(**{k: v for k, v in cfg_kw.items() if k != 'batch_size'})  # validates the shape
+        shape = GPTConfig(**{k: v for k, v in cfg_kw.items() if k != 'batch_size'})  # validates the shape
+        with torch.device('meta'):  # each scheme checks its own settings (hc_streams, attnres_blocks) now, not mid-run
+            for name in names:
+                RESIDUALS[name](GPTConfig(**{**vars(shape), 'residual': name}))
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
     if o.threads:
@@ -534,8 +538,8 @@ def main(argv=None):
     rows = run(names, cfg_kw, dev, dt, o.compile, o.steps, o.warmup, o.rounds, o.hc_package, o.learning_rate, o.seed)
     print(format_table(rows, dev.type))
     if dev.type != 'cuda':
-        print("memory: bytes autograd saves for backward in one forward pass (the CPU allocator is not "
-              "tracked); MFU needs a known accelerator peak")
+        print("memory: bytes autograd saves for backward in one forward pass of the eager model, also "
+              "with --compile=True (the CPU allocator is not tracked); MFU needs a known accelerator peak")
     if o.out:
         os.makedirs(os.path.dirname(o.out) or '.', exist_ok=True)
         with open(o.out, 'w') as f:

@@ -258,10 +258,12 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
                                       ('--rounds=0', 'rounds=0 must be >= 1'),
                                       ('--steps=-1', 'steps=-1 must be >= 0'),
                                       ('--threads=-2', 'threads=-2 must be >= 0'),
-                                      ('--n_head=3', 'divisible')])
+                                      ('--n_head=3', 'divisible'),
+                                      ('--schemes=hc --hc_streams=0', 'hc_streams must be >= 1'),
+                                      ('--schemes=blockattnres --attnres_blocks=3', 'divisible by attnres_blocks')])
 def test_bench_user_errors(arg, msg):
     with pytest.raises(SystemExit) as e:
-        bench.main(TINY + [arg])
+        bench.main(TINY + arg.split())
     assert msg in str(e.value) and str(e.value).startswith('error:')
 
 
