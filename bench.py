@@ -532,8 +532,9 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if o.threads:
         torch.set_num_threads(o.threads)
-    print(f"bench: {', '.join(names)} + plain on {dev} ({dt}, compile={o.compile}, {torch.get_num_threads()} "
-          f"CPU threads), L={o.n_layer} d={o.n_embd} T={o.block_size} B={o.batch_size} V={o.vocab_size}, "
+    nt = torch.get_num_threads()
+    print(f"bench: {', '.join(names)} + plain on {dev} ({dt}, compile={o.compile}, {nt} "
+          f"CPU thread{'s' if nt != 1 else ''}), L={o.n_layer} d={o.n_embd} T={o.block_size} B={o.batch_size} V={o.vocab_size}, "
           f"{o.steps} steps in {o.rounds} rounds, {o.warmup} warm-up")
     rows = run(names, cfg_kw, dev, dt, o.compile, o.steps, o.warmup, o.rounds, o.hc_package, o.learning_rate, o.seed)
     print(format_table(rows, dev.type))

@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 

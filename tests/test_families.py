@@ -8,7 +8,6 @@ config files (in sync with the tables, loadable by train.py's configurator).
 
 import ast
 import math
-import os
 import sys
 from pathlib import Path
 

@@ -1,6 +1,6 @@
 """
-Tests of the memory-lean AttnRes depth mixing (residuals.DepthMixFunction behind
-residuals.depth_mix) and of bench.py: exact gradients against the plain autograd
+Tests of the memory-lean AttnRes depth mixing (ops.DepthMixFunction behind
+ops.depth_mix) and of bench.py: exact gradients against the plain autograd
 formula (depth_mix_reference), the saved-activation memory of Full AttnRes against
 Pre-LN (a check the stacked formula fails), and bench.py's PlainGPT as a fair plain
 reference (same parameters as Pre-LN, same loss for the same weights).
@@ -19,7 +19,7 @@ import bench  # noqa: E402
 import residuals  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from compile_check import assert_compiled_matches_eager  # noqa: E402
-from residuals import DepthMixFunction, depth_mix, depth_mix_reference  # noqa: E402
+from ops import DepthMixFunction, depth_mix, depth_mix_reference  # noqa: E402
 
 
 def mix_inputs(n, B, T, d, dtype=torch.float64, seed=0, src_dtypes=None):

@@ -1,7 +1,8 @@
 """
-Tests of the multi-stream schemes (HC, mHC) and of Block AttnRes in residuals.py:
-parameter counts, equivalences at init, the routing algebra, Sinkhorn, causality,
-skip/swap/drop orders, traces, training and checkpoints. CPU only, tiny models.
+Tests of the multi-stream schemes (HC, mHC) and of Block AttnRes in residuals.py, and of
+their math in ops.py: parameter counts, equivalences at init, the routing algebra,
+Sinkhorn, causality, skip/swap/drop orders, traces, training and checkpoints. CPU only,
+tiny models.
 
     python -m pytest tests/test_schemes_hc.py -q
 """
@@ -10,11 +11,10 @@ import io
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from compile_check import assert_compiled_matches_eager
 from model import GPT, GPTConfig
-from residuals import NormedProjection, sinkhorn
+from ops import NormedProjection, sinkhorn
 
 V = 128          # vocabulary of the tiny test models
 SCHEMES = ('hc', 'mhc', 'blockattnres')
@@ -322,8 +322,9 @@ def test_compiled_multistream_one_graph_same_gradients(residual):
 def test_sinkhorn_rejects_bad_input():
     with pytest.raises(ValueError, match='square'):
         sinkhorn(torch.zeros(3, 4), 20)
-    with pytest.raises(ValueError, match='iters'):
-        sinkhorn(torch.zeros(4, 4), 0)
+    for iters in (0, 2.5, True):
+        with pytest.raises(ValueError, match='iters'):
+            sinkhorn(torch.zeros(4, 4), iters)
 
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])

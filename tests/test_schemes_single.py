@@ -1,6 +1,7 @@
 """
-Tests of the single-stream residual schemes and MoDA in residuals.py (DESIGN §4,
-schemes.md): Sandwich-LN, LNS, DeepNorm, KEEL, MoDA, Post-LN, ReZero, LayerScale, ResiDual.
+Tests of the single-stream residual schemes and MoDA in residuals.py, and of MoDA's joint
+attention in ops.py (DESIGN §4, schemes.md): Sandwich-LN, LNS, DeepNorm, KEEL, MoDA,
+Post-LN, ReZero, LayerScale, ResiDual.
 
 Parameter counts against closed forms, each scheme's equation against an independent
 per-sublayer loop (default, swapped, skipped and dropped orders), equivalences at init,
@@ -21,7 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT, GPTConfig  # noqa: E402
-from residuals import RESIDUALS, depth_attention, depth_attention_reference  # noqa: E402
+from ops import depth_attention, depth_attention_reference  # noqa: E402
+from residuals import RESIDUALS  # noqa: E402
 
 SCHEMES = ('sandwich', 'lns', 'deepnorm', 'keel', 'moda', 'postln', 'rezero', 'layerscale', 'resdual')
 SINGLE = tuple(s for s in SCHEMES if s != 'moda')  # the ones with a reference loop below

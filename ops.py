@@ -1,0 +1,462 @@
+"""
+The numerical core of the schemes that need more than a residual add: AttnRes's depth
+softmax, HC/mHC's normed routing projection and mHC's Sinkhorn projection, and MoDA's
+joint sequence-and-depth attention (DESIGN §4, schemes.md). residuals.py wires them
+into the schemes; this file is only the math, on plain tensors.
+
+Each operation has its formula, shapes and dtypes in its docstring, and most come in two
+forms: the plain formula left to autograd (`*_reference`, what the tests check against)
+and a fast form with a hand-written backward (a torch.autograd.Function), written so
+that no (n, B, T, d) stack of sources or slots is kept for the backward, and so that
+torch.compile traces it into one graph. Why each form is what it is, and what it
+measured against the alternatives, is in its docstring; README "Speed and memory of
+the schemes" has the whole-model numbers.
+"""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+
+# ---- Attention Residuals: depth softmax --------------------------------------
+
+def _promoted_dtype(tensors):
+    """The dtype of a sum of `tensors` under type promotion (fp32 when an fp32 embedding
+    is mixed with bf16 sublayer outputs)."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+class DepthMixFunction(torch.autograd.Function):
+    """The AttnRes read of `depth_mix` with a hand-written backward (arXiv 2603.15031;
+    schemes.md "Full AttnRes", cost notes). Call as
+
+        z, a = DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
+
+    Why: autograd on the plain formula (`depth_mix_reference`) saves a stacked copy of
+    all n sources at every read, O(n B T d) bytes per read and O(L^2 B T d) per forward
+    pass, which ran out of memory in public ports. This saves only the n dot products
+    r (n, B, T) per token and references to the sources and their 1/rms (alive anyway:
+    they are earlier sublayers' outputs, kept in the AttnRes state); backward recomputes
+    the softmax weights a from them, a cheap (n, B, T) op. Every sum over sources is a
+    loop over the n tensors, never an (n, B, T, d) stack: on the CPU that is also the
+    fastest form (tiny batched matmuls are slow there), and torch.compile fuses the loops
+    of a read into a few kernels (whole-model compile: one graph, the varying n of the
+    reads is unrolled, no recompiles).
+
+    Logits, softmax and the sum z are accumulated in fp32 (fp64 for fp64 inputs); z is
+    returned in the sources' promoted dtype. With e_i = r_i s_i, r_i = v_i . u, u = w * g,
+    a = softmax(e), z = sum_i a_i v_i, and incoming gradients gz, ga:
+        p_i  = gz . v_i + ga_i                    (gradient reaching a_i)
+        ge_i = a_i (p_i - sum_j a_j p_j)           (softmax backward)
+        gv_i = a_i gz + ge_i s_i u,  gs_i = ge_i r_i,  gu = sum_{i,b,t} ge_i s_i v_i,
+        gw = gu * g,  gg = gu * w."""
+
+    @staticmethod
+    def forward(ctx, query, key_gain, *tensors):
+        n = len(tensors) // 2
+        sources, inv_rmses = tensors[:n], tensors[n:]
+        dtype = _promoted_dtype(sources)
+        acc = torch.promote_types(dtype, torch.float32)                         # fp32 (fp64 in gradcheck)
+        u = query.to(acc) * key_gain.to(acc)                                    # (d,)
+        r = torch.stack([v.to(acc) @ u for v in sources])                       # (n, B, T)
+        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
+        a = torch.softmax(r * s, dim=0)                                         # (n, B, T)
+        z = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)  # (B, T, d)
+        for i, v in enumerate(sources):  # in place: one buffer, not n fresh (B, T, d) allocations
+            z.addcmul_(a[i].unsqueeze(-1), v)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(query, key_gain, r, *sources, *inv_rmses)
+        return z.to(dtype), a
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # r is saved, not recomputed: no double backward
+    def backward(ctx, gz, ga):
+        query, key_gain, r, *tensors = ctx.saved_tensors
+        n = len(tensors) // 2
+        sources, inv_rmses = tensors[:n], tensors[n:]
+        need_w, need_g = ctx.needs_input_grad[:2]
+        need_v, need_s = ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
+        acc = r.dtype
+        u = query.to(acc) * key_gain.to(acc)                                    # (d,)
+        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
+        a = torch.softmax(r * s, dim=0)                                         # (n, B, T), as in forward
+        gz = torch.zeros(sources[0].shape, dtype=acc, device=r.device) if gz is None else gz.to(acc)
+        p = torch.stack([torch.linalg.vecdot(v.to(acc), gz) for v in sources])  # (n, B, T)
+        if ga is not None:
+            p = p + ga
+        ge = a * (p - (a * p).sum(0, keepdim=True))                             # (n, B, T)
+        c = ge * s                                                              # (n, B, T), reaches r
+        gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
+              for i, v in enumerate(sources)]                                   # n x (B, T, d)
+        gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
+              for i in range(n)]                                                # n x (B, T, 1)
+        gw = gg = None
+        if need_w or need_g:
+            d = u.numel()
+            gu = sum(v.reshape(-1, d).to(acc).t() @ c[i].reshape(-1) for i, v in enumerate(sources))  # (d,)
+            gw = (gu * key_gain.to(acc)).to(query.dtype) if need_w else None
+            gg = (gu * query.to(acc)).to(key_gain.dtype) if need_g else None
+        return (gw, gg, *gv, *gs)
+
+
+def depth_mix_reference(sources, inv_rmses, query, key_gain):
+    """`depth_mix` written as the plain formula, left to autograd: stacks the sources,
+    (n, B, T, d), and autograd keeps that stack for backward at every read. The reference
+    that tests check DepthMixFunction against; same arguments and returns as depth_mix."""
+    V = torch.stack(sources)                                   # (n, B, T, d)
+    acc = torch.promote_types(V.dtype, torch.float32)
+    s = torch.stack(inv_rmses).squeeze(-1).to(acc)             # (n, B, T)
+    logits = (V @ (query * key_gain).to(V.dtype)).to(acc) * s  # (n, B, T)
+    a = torch.softmax(logits, dim=0)                           # (n, B, T)
+    z = torch.einsum('nbt,nbtd->btd', a.to(V.dtype), V)        # (B, T, d)
+    return z, a
+
+
+def depth_mix(sources, inv_rmses, query, key_gain):
+    """Depth attention of AttnRes (arXiv 2603.15031; DESIGN §4):
+
+        e_i = w^T RMSNorm_key(v_i) = (v_i . (w * g)) / rms(v_i),   a = softmax_i(e),   z = sum_i a_i v_i
+
+    sources: n >= 1 tensors v_i (B, T, d); inv_rmses: their 1/rms (B, T, 1), computed once
+    per source; query w and key-norm gain g: (d,). No 1/sqrt(d), temperature 1; logits,
+    softmax and the sum in fp32. Scoring with v . (w * g) never materialises the
+    normalised keys, and the backward (DepthMixFunction) keeps no stacked copy of the
+    sources: saved memory per read is n fp32 numbers per token, not n copies of (B, T, d).
+    Gradients flow into the sources, their 1/rms, w and g.
+    Returns z (B, T, d) in the sources' (promoted) dtype and the weights a (n, B, T) in fp32.
+    Raises ValueError if the lists are empty or differ in length."""
+    if not sources or len(sources) != len(inv_rmses):
+        raise ValueError(f"depth_mix needs at least one source and one 1/rms per source; got "
+                         f"{len(sources)} sources and {len(inv_rmses)} 1/rms tensors")
+    return DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
+
+
+# ---- Hyper-Connections: routing projection, Sinkhorn -------------------------
+
+def no_autocast(x):
+    """Context in which autocast is off on x's device, so that routing math runs in the
+    dtype its inputs are given in (the streams' dtype, or fp32 where a scheme casts).
+    The 'meta' device (shape-only runs, e.g. cost.flop_check) has no autocast to turn off."""
+    if x.device.type == 'meta':
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=x.device.type, enabled=False)
+
+
+def sinkhorn(logits, iters):
+    """Sinkhorn-Knopp projection of exp(logits) towards a doubly stochastic matrix (mHC,
+    arXiv 2512.24880): `iters` rounds of row then column normalisation.
+
+    logits: (..., m, m), any float dtype, finite. Returns P (..., m, m), fp32 (fp64 for fp64
+    logits), non-negative, with columns summing to 1 (the last step) and rows approximately:
+    Sinkhorn converges at a rate set by the spread of the logits, and 20 rounds reach 1e-3
+    for logits within about +-2 of a row/column rescaling, not for arbitrary ones.
+    Numerics, autocast off: the first round runs in the log domain (log_softmax over rows,
+    softmax over columns), which leaves every row and column sum in [1/m^2, m] whatever the
+    logits' range (+-50 included); the other rounds divide by sums that are therefore never
+    small, and entries too small for fp32 underflow to 0 harmlessly.
+    Under torch.compile the later rounds keep P's row and column scalings instead
+    (`sinkhorn_scalings`): the same iterate up to rounding.
+    Raises ValueError for non-square logits, or iters not an integer >= 1."""
+    if logits.dim() < 2 or logits.size(-1) != logits.size(-2):
+        raise ValueError(f"sinkhorn needs square (..., m, m) logits, got shape {tuple(logits.shape)}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"sinkhorn needs an integer iters >= 1, got {iters!r} (mhc_sinkhorn_iters)")
+    return sinkhorn_leading(logits.movedim((-2, -1), (0, 1)), iters).movedim((0, 1), (-2, -1))
+
+
+def sinkhorn_leading(logits, iters):
+    """`sinkhorn` on matrices laid out along the two leading dims: (m, m, ...) -> (m, m, ...).
+    The row and column sums then add whole vectors of tokens, several times faster on CPU
+    than reducing over two trailing dims of size m."""
+    with no_autocast(logits):
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32)).contiguous()  # fp32 (fp64 stays)
+        P = torch.softmax(torch.log_softmax(z, dim=1), dim=0)  # round 1 in the log domain
+        if iters == 1:
+            return P
+        if torch.compiler.is_compiling():
+            return sinkhorn_scalings(P, iters - 1)
+        return SinkhornRounds.apply(P, iters - 1)
+
+
+def sinkhorn_scalings(P, iters):
+    """`iters` rounds of Sinkhorn on P (m, m, ...) > 0 kept as diag(r) P diag(c): per round
+    r = 1 / (P c) over rows, then c = 1 / (P^T r) over columns; returns diag(r) P diag(c),
+    the numbers `SinkhornRounds` gives, up to rounding. Used under torch.compile, where each
+    round is then two small reductions of the one P (fwd + bwd at m = 4, B T = 2048, one
+    CPU thread: 1.7 ms against 2.6 ms for the rounds on P); eagerly it is the slower one
+    (7.4 ms against 4.1 ms)."""
+    c = torch.ones_like(P[0])                                  # (m, ...) column scalings
+    for _ in range(iters):
+        r = 1 / (P * c.unsqueeze(0)).sum(1)                    # (m, ...) row scalings
+        c = 1 / (P * r.unsqueeze(1)).sum(0)
+    return P * r.unsqueeze(1) * c.unsqueeze(0)
+
+
+class SinkhornRounds(torch.autograd.Function):
+    """`iters` rounds of P <- P / rowsum(P), P <- P / colsum(P) on P (m, m, ...) > 0, with
+    a hand-written backward (per step y = P / s: dP = (dy - sum(dy * y)) / s) that keeps
+    the gradient in the (m, m, ...) layout; autograd's would run 4 x iters small ops on
+    whatever layout the incoming gradient has."""
+
+    @staticmethod
+    def forward(ctx, P, iters):
+        steps = []
+        for _ in range(iters):
+            for dim in (1, 0):                                 # rows, then columns
+                s = P.sum(dim, keepdim=True)
+                P = P / s
+                steps += [P, s]
+        ctx.save_for_backward(*steps)
+        return P
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.contiguous()
+        steps = ctx.saved_tensors
+        for i in reversed(range(0, len(steps), 2)):
+            y, s = steps[i], steps[i + 1]
+            dim = 1 if i % 4 == 0 else 0
+            g = (g - (g * y).sum(dim, keepdim=True)) / s
+        return g, None
+
+
+class NormedProjection(torch.autograd.Function):
+    """P = Wt RMS(x)^T for every row x of X, RMS(x) = x / sqrt(mean(x^2) + eps) (no weight):
+    X (..., n), Wt (c, n) -> P (c, ...), coefficient-major (each coefficient a contiguous row
+    of tokens; a (tokens, n) @ (n, c) product with so few columns is several times slower
+    on CPU). Call as NormedProjection.apply(X, Wt, eps). The HC/mHC routing projection:
+    tanh(H_bar W) reads it per stream, mHC's x' phi per token.
+
+    Hand-written backward (autograd's keeps extra (..., n)-sized temporaries and writes
+    the gradient of X twice): with Q = Wt x^T and s = 1/rms(x), P = Q s and
+        gQ = gP s,   gx = gQ^T Wt - (sum_c gP Q) s^3 x / n,   gWt = gQ X."""
+
+    @staticmethod
+    def forward(ctx, X, Wt, eps):
+        n = X.size(-1)
+        X2 = X.reshape(-1, n)                                  # (N, n)
+        s = torch.rsqrt(torch.linalg.vector_norm(X2, dim=-1).square() / n + eps)  # (N,) 1/rms
+        Q = Wt @ X2.t()                                        # (c, N)
+        ctx.save_for_backward(X, Wt, Q, s)
+        return (Q * s).view(-1, *X.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, gP):
+        X, Wt, Q, s = ctx.saved_tensors
+        n = X.size(-1)
+        X2 = X.reshape(-1, n)
+        gP = gP.reshape(Q.shape)
+        gQ = gP * s                                            # (c, N)
+        gX = gWt = None
+        if ctx.needs_input_grad[0]:
+            gX = gQ.t() @ Wt                                   # (N, n)
+            gX.addcmul_(X2, (-(gP * Q).sum(0) * s.pow(3) / n).unsqueeze(-1))
+            gX = gX.view(X.shape)
+        if ctx.needs_input_grad[1]:
+            gWt = gQ @ X2                                      # (c, n)
+        return gX, gWt, None
+
+
+# ---- MoDA: joint sequence-and-depth attention --------------------------------
+
+class DepthReadFunction(torch.autograd.Function):
+    """The depth half of MoDA's joint softmax, with a hand-written backward. Call as
+
+        y, lse = DepthReadFunction.apply(q, scale, *depth_k, *depth_v)
+
+    q: (B, H_kv, G, T, hd) (query heads grouped by their key/value head); depth_k[j],
+    depth_v[j]: S >= 1 slots (B, H_kv, T, hd). With scores d_j = scale * q . K_j and
+    a = softmax_j(d) (fp32):
+        y = sum_j a_j V_j  (B, H_kv, G, T, hd),   lse = log sum_j exp(d_j)  (B, H_kv, G, T) fp32.
+    Why by hand: autograd on a stacked (B, H_kv, T, S, hd) copy of the slots keeps that copy
+    for the backward at every block, O(L^2 B T d) bytes per pass, and per-token
+    (1 x hd)(hd x S) products run as slow batched matmuls. Here every sum over slots is a
+    loop over the S tensors (alive anyway: they are the depth cache), and the backward
+    saves only a (S numbers per query) and references. With incoming gy, glse and
+    p_j = gy . V_j:  gd_j = a_j (p_j - sum_i a_i p_i + glse),
+        gq = scale sum_j gd_j K_j,  gK_j = scale sum_G gd_j q,  gV_j = sum_G a_j gy."""
+
+    @staticmethod
+    def forward(ctx, q, scale, *slots):
+        S = len(slots) // 2
+        K, V = slots[:S], slots[S:]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qa = q.to(acc)                                                                       # scores in fp32 (no-op for fp32)
+        d = torch.stack([torch.linalg.vecdot(qa, Kj.unsqueeze(2).to(acc)) for Kj in K]) * scale  # (S, B, H_kv, G, T)
+        lse = torch.logsumexp(d, dim=0)                                                     # (B, H_kv, G, T)
+        a = torch.exp(d - lse)                                                              # (S, B, H_kv, G, T)
+        y = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for j, Vj in enumerate(V):  # in place: one buffer, not S fresh (B, H_kv, G, T, hd) tensors
+            y.addcmul_(a[j].unsqueeze(-1), Vj.unsqueeze(2))
+        ctx.scale = scale
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, a, *slots)
+        return y.to(q.dtype), lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy, glse):
+        q, a, *slots = ctx.saved_tensors
+        S = len(slots) // 2
+        K, V = slots[:S], slots[S:]
+        acc, G = a.dtype, q.size(2)
+        group_sum = (lambda t: t.squeeze(2)) if G == 1 else (lambda t: t.sum(2))  # over the query heads of a K/V head
+        if gy is None:
+            p = torch.zeros_like(a)
+        else:
+            gy = gy.to(acc)
+            p = torch.stack([torch.linalg.vecdot(gy, Vj.unsqueeze(2).to(acc)) for Vj in V])  # (S, B, H_kv, G, T)
+        gd = p - (a * p).sum(0, keepdim=True)
+        if glse is not None:
+            gd = gd + glse
+        gd = a * gd * ctx.scale                                                              # (S, B, H_kv, G, T)
+        gq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for j, Kj in enumerate(K):
+            gq.addcmul_(gd[j].unsqueeze(-1), Kj.unsqueeze(2))
+        gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
+        gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
+        return (gq.to(q.dtype), None, *gK, *gV)
+
+
+# the fused CPU attention kernel that also returns the log-sum-exp of each query's scores
+# (None if this torch build lacks it: depth_attention then uses the portable null-key form)
+_CPU_FLASH = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
+
+
+@torch.compiler.assume_constant_result  # a Python bool: torch.compile takes its value when it traces
+def flash_backend_enabled():
+    """Whether SDPA may use its flash kernels here (False inside sdpa_kernel(SDPBackend.MATH))."""
+    return torch.backends.cuda.flash_sdp_enabled()
+
+
+class MergeDepthFunction(torch.autograd.Function):
+    """MoDA's joint softmax on the CPU: fused causal attention over the sequence keys, merged
+    with the depth read by the two partial softmaxes' log-sum-exps. Call as
+
+        y = MergeDepthFunction.apply(q, k, v, y_dep, lse_dep, scale)
+
+    q, k, v: (B, H, T, hd) (key/value heads already repeated for GQA); y_dep (B, H, T, hd)
+    and lse_dep (B, H, T) fp32 from `DepthReadFunction`. With (o, lse) the kernel's output and
+    log-sum-exp over the causal keys and alpha = sigmoid(lse - lse_dep) (the sequence keys'
+    share of the joint softmax mass, fp32):  y = alpha o + (1 - alpha) y_dep.
+    Backward, with incoming gy: the kernel's own backward given grad_out = alpha gy and
+    out = y (not o): the kernel's row term sum(grad_out * out) then equals
+    alpha gy . o - glse with glse = alpha (1 - alpha) gy . (o - y_dep), the gradient reaching
+    lse, so q, k, v get the exact gradient through both o and lse. And
+    g y_dep = (1 - alpha) gy,  g lse_dep = -(1 - alpha) gy . (y - y_dep)  (= -glse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, y_dep, lse_dep, scale):
+        o, lse = _CPU_FLASH(q, k, v, 0.0, True, scale=scale)                 # (B, H, T, hd), (B, H, T)
+        alpha = torch.sigmoid(lse.to(lse_dep.dtype) - lse_dep).unsqueeze(-1)  # (B, H, T, 1) fp32
+        y = torch.lerp(y_dep.to(alpha.dtype), o.to(alpha.dtype), alpha).to(q.dtype)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, y, lse, alpha, y_dep)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        q, k, v, y, lse, alpha, y_dep = ctx.saved_tensors
+        gy = gy.to(alpha.dtype)
+        gq, gk, gv = _CPU_FLASH_BACKWARD((alpha * gy).to(q.dtype), q, k, v, y, lse, 0.0, True, scale=ctx.scale)
+        g_y_dep = ((1 - alpha) * gy).to(y_dep.dtype)
+        g_lse_dep = -(1 - alpha).squeeze(-1) * torch.linalg.vecdot(gy, (y - y_dep).to(alpha.dtype))
+        return gq, gk, gv, g_y_dep, g_lse_dep, None
+
+
+def depth_attention(q, k, v, depth_k, depth_v, method=None):
+    """The joint sequence-and-depth attention of MoDA (arXiv 2603.15619; schemes.md "MoDA"):
+
+        a_t = softmax([q_t . k_s, s <= t  |  q_t . K_depth[t, j], j < S] / sqrt(hd))
+        y_t = sum_{s<=t} a_ts v_s + sum_{j<S} a_tj V_depth[t, j]
+
+    ONE softmax over the causal sequence keys and the S depth keys of the same token,
+    computed exactly without an explicit (T x (T + S)) score matrix. The depth part
+    collapses into one key per query: logit lse_t = log sum_j exp(d_tj) (fp32) and value
+    y_dep,t = softmax(d_t) . V_depth[t] (`DepthReadFunction`). The sequence part runs in a
+    fused attention kernel; the two are merged in one of two exact ways (`method`):
+      'flash_cpu' (the CPU default, unless sdpa_kernel has turned the flash backend off, as
+        cost.flop_check does to count attention): the CPU kernel also returns each
+        query's log-sum-exp over its causal keys, and the partial results are merged by
+        their masses (`MergeDepthFunction`, hand-written backward through the kernel's own);
+      'null_key' (every other device; portable, public API only; `merge_null_key`):
+        shifting query t's sequence scores by -lse_t through one extra head dimension
+        (q' = [q, -lse / scale], k' = [k, 1]) and prepending a null key (score 0, value
+        e_hd) that every query sees (a dummy query at position 0 keeps the causal mask
+        square) lets fused `F.scaled_dot_product_attention` give o_t = sum_s a_ts v_s and o_t[hd] = a_t,null
+        (the total depth weight), so y_t = o_t[:hd] + o_t[hd] * y_dep,t. It costs one more
+        key, query and head dimension per block (a MoDA training step 6-10% slower on a
+        2-core CPU), and the shift is stored in q's dtype: the exact correction for its
+        rounding keeps bf16 outputs as close as plain bf16 attention's, whatever lse is.
+    q: (B, H, T, hd) after RoPE; k: (B, H_kv, T, hd) after RoPE; v: (B, H_kv, T, hd);
+    depth_k, depth_v: sequences of S >= 0 slots (B, H_kv, T, hd) (S = 0: plain causal
+    attention). GQA: query head i reads key/value head i // (H / H_kv). Returns y (B, H, T, hd).
+    Raises ValueError for an unknown method, or 'flash_cpu' off the CPU or without the kernel.
+    `depth_attention_reference` is the same function written as the plain formula."""
+    B, H, T, hd = q.shape
+    Hkv, S = k.size(1), len(depth_k)
+    assert len(depth_v) == S and H % Hkv == 0
+    cpu_flash = q.device.type == 'cpu' and _CPU_FLASH is not None
+    if method is None:  # the CPU kernel wherever SDPA itself would pick it (not under sdpa_kernel(MATH))
+        method = 'flash_cpu' if cpu_flash and flash_backend_enabled() else 'null_key'
+    if method not in ('flash_cpu', 'null_key') or (method == 'flash_cpu' and not cpu_flash):
+        raise ValueError(f"depth_attention: method must be 'flash_cpu' (CPU only) or 'null_key', "
+                         f"got {method!r} on {q.device.type}")
+    gqa = H != Hkv
+    if S == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    scale = hd ** -0.5
+    y_dep, lse = DepthReadFunction.apply(q.view(B, Hkv, H // Hkv, T, hd), scale, *depth_k, *depth_v)
+    y_dep, lse = y_dep.view(B, H, T, hd), lse.view(B, H, T)
+    if method == 'null_key':
+        return merge_null_key(q, k, v, y_dep, lse, scale)
+    if gqa:  # the kernel has no GQA: repeat each key/value head for its H / H_kv query heads
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    return MergeDepthFunction.apply(q, k, v, y_dep, lse, scale)
+
+
+def merge_null_key(q, k, v, y_dep, lse, scale):
+    """The 'null_key' merge of `depth_attention`: fused causal SDPA over a null key (score
+    0, value e_hd) and the sequence keys, whose scores are shifted by -lse through one
+    extra head dimension; the null key's weight is the depth part's share of the joint softmax.
+    q: (B, H, T, hd); k, v: (B, H_kv, T, hd); y_dep (B, H, T, hd) and lse (B, H, T) fp32
+    from `DepthReadFunction`. Returns y (B, H, T, hd) in q's dtype."""
+    B, H, T, hd = q.shape
+    Hkv = k.size(1)
+    shift = (-lse / scale).to(q.dtype)                                               # (B, H, T), in q's dtype
+    # position 0 of keys and queries: the null key, and a dummy query whose output is dropped
+    q1 = F.pad(torch.cat((q, shift.unsqueeze(-1)), dim=-1), (0, 0, 1, 0))             # (B, H, 1 + T, hd + 1)
+    k1 = F.pad(torch.cat((k, k.new_ones(B, Hkv, T, 1)), dim=-1), (0, 0, 1, 0))       # (B, H_kv, 1 + T, hd + 1)
+    v1 = F.pad(v, (0, 1, 1, 0)) + F.pad(v.new_ones(1, 1, 1, 1), (hd, 0, 0, T))      # (B, H_kv, 1 + T, hd + 1), null value e_hd
+    o = F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, scale=scale, enable_gqa=H != Hkv)[:, :, 1:]  # (B, H, T, hd + 1)
+    if shift.dtype == lse.dtype:  # fp32/fp64: the shift is lse up to the last bit
+        return o[..., :hd] + o[..., hd:] * y_dep
+    # bf16/fp16: the kernel shifted by the rounded -shift * scale, not by lse: with
+    # r = exp(lse + shift * scale) (1 +- 2^-8 |lse| in bf16) the depth mass is r * o_null out of 1 + (r - 1) o_null
+    r = torch.exp(lse + shift.to(lse.dtype) * scale).unsqueeze(-1)                   # (B, H, T, 1), fp32
+    null = o[..., hd:].to(r.dtype)                                                    # (B, H, T, 1)
+    return ((o[..., :hd] + (r * null) * y_dep) / (1 + (r - 1) * null)).to(q.dtype)
+
+
+def depth_attention_reference(q, k, v, depth_k, depth_v):
+    """`depth_attention` as the plain formula, left to autograd: an explicit fp32 score
+    matrix (B, H, T, T + S) over the causal keys and the stacked depth keys. Memory
+    O(B H T (T + S)); what tests check `depth_attention` against."""
+    B, H, T, hd = q.shape
+    Hkv, S = k.size(1), len(depth_k)
+    dk = torch.stack(list(depth_k), dim=3) if S else k.new_zeros(B, Hkv, T, 0, hd)   # (B, H_kv, T, S, hd)
+    dv = torch.stack(list(depth_v), dim=3) if S else v.new_zeros(B, Hkv, T, 0, hd)
+    q = q.reshape(B, Hkv, H // Hkv, T, hd) * hd ** -0.5                # (B, Hkv, G, T, hd)
+    seq = q @ k.unsqueeze(2).transpose(-1, -2)                         # (B, Hkv, G, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    seq = seq.masked_fill(~causal, float('-inf'))
+    dep = torch.einsum('bkgtd,bktsd->bkgts', q, dk)                    # (B, Hkv, G, T, S)
+    a = torch.softmax(torch.cat((seq, dep), dim=-1).float(), dim=-1).to(q.dtype)
+    y = a[..., :T] @ v.unsqueeze(2) + torch.einsum('bkgts,bktsd->bkgtd', a[..., T:], dv)
+    return y.reshape(B, H, T, hd)
