@@ -14,6 +14,7 @@ the schemes" has the whole-model numbers.
 """
 
 import contextlib
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -103,10 +104,29 @@ class DepthMixFunction(torch.autograd.Function):
         return (gw, gg, *gv, *gs)
 
 
+def check_depth_mix_args(sources, inv_rmses, query, key_gain):
+    """Raises ValueError unless `depth_mix` can take these: n >= 1 sources of one shape
+    (B, T, d), n 1/rms tensors (B, T, 1), query and key gain (d,)."""
+    if not sources or len(sources) != len(inv_rmses):
+        raise ValueError(f"depth_mix needs at least one source and one 1/rms per source; got "
+                         f"{len(sources)} sources and {len(inv_rmses)} 1/rms tensors")
+    shape = sources[0].shape
+    if len(shape) != 3:
+        raise ValueError(f"depth_mix: sources must be (B, T, d), got shape {tuple(shape)}")
+    for name, ts, want in (('source', sources, shape), ('1/rms', inv_rmses, shape[:2] + (1,))):
+        for i, t in enumerate(ts):
+            if t.shape != want:
+                raise ValueError(f"depth_mix: {name} {i} has shape {tuple(t.shape)}, expected {tuple(want)}")
+    for name, t in (('query', query), ('key gain', key_gain)):
+        if t.shape != shape[2:]:
+            raise ValueError(f"depth_mix: {name} has shape {tuple(t.shape)}, expected ({shape[2]},)")
+
+
 def depth_mix_reference(sources, inv_rmses, query, key_gain):
     """`depth_mix` written as the plain formula, left to autograd: stacks the sources,
     (n, B, T, d), and autograd keeps that stack for backward at every read. The reference
-    that tests check DepthMixFunction against; same arguments and returns as depth_mix."""
+    that tests check DepthMixFunction against; same arguments, returns and errors as depth_mix."""
+    check_depth_mix_args(sources, inv_rmses, query, key_gain)
     V = torch.stack(sources)                                   # (n, B, T, d)
     acc = torch.promote_types(V.dtype, torch.float32)
     s = torch.stack(inv_rmses).squeeze(-1).to(acc)             # (n, B, T)
@@ -128,10 +148,9 @@ def depth_mix(sources, inv_rmses, query, key_gain):
     sources: saved memory per read is n fp32 numbers per token, not n copies of (B, T, d).
     Gradients flow into the sources, their 1/rms, w and g.
     Returns z (B, T, d) in the sources' (promoted) dtype and the weights a (n, B, T) in fp32.
-    Raises ValueError if the lists are empty or differ in length."""
-    if not sources or len(sources) != len(inv_rmses):
-        raise ValueError(f"depth_mix needs at least one source and one 1/rms per source; got "
-                         f"{len(sources)} sources and {len(inv_rmses)} 1/rms tensors")
+    Raises ValueError if the lists are empty or differ in length, or for a shape that
+    does not fit the above."""
+    check_depth_mix_args(sources, inv_rmses, query, key_gain)
     return DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
 
 
@@ -163,15 +182,23 @@ def sinkhorn(logits, iters):
     Raises ValueError for non-square logits, or iters not an integer >= 1."""
     if logits.dim() < 2 or logits.size(-1) != logits.size(-2):
         raise ValueError(f"sinkhorn needs square (..., m, m) logits, got shape {tuple(logits.shape)}")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"sinkhorn needs an integer iters >= 1, got {iters!r} (mhc_sinkhorn_iters)")
     return sinkhorn_leading(logits.movedim((-2, -1), (0, 1)), iters).movedim((0, 1), (-2, -1))
+
+
+def check_sinkhorn_iters(iters):
+    """iters as an int; raises ValueError unless it is an integer >= 1 (bool and float are not)."""
+    if isinstance(iters, bool) or not isinstance(iters, numbers.Integral) or iters < 1:
+        raise ValueError(f"Sinkhorn needs iters, its number of rounds, to be an int >= 1; got {iters!r}")
+    return int(iters)
 
 
 def sinkhorn_leading(logits, iters):
     """`sinkhorn` on matrices laid out along the two leading dims: (m, m, ...) -> (m, m, ...).
     The row and column sums then add whole vectors of tokens, several times faster on CPU
-    than reducing over two trailing dims of size m."""
+    than reducing over two trailing dims of size m. Raises ValueError as `sinkhorn` does."""
+    if logits.dim() < 2 or logits.size(0) != logits.size(1):
+        raise ValueError(f"sinkhorn_leading needs square (m, m, ...) logits, got shape {tuple(logits.shape)}")
+    iters = check_sinkhorn_iters(iters)
     with no_autocast(logits):
         z = logits.to(torch.promote_types(logits.dtype, torch.float32)).contiguous()  # fp32 (fp64 stays)
         P = torch.softmax(torch.log_softmax(z, dim=1), dim=0)  # round 1 in the log domain
@@ -401,11 +428,12 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None):
     q: (B, H, T, hd) after RoPE; k: (B, H_kv, T, hd) after RoPE; v: (B, H_kv, T, hd);
     depth_k, depth_v: sequences of S >= 0 slots (B, H_kv, T, hd) (S = 0: plain causal
     attention). GQA: query head i reads key/value head i // (H / H_kv). Returns y (B, H, T, hd).
-    Raises ValueError for an unknown method, or 'flash_cpu' off the CPU or without the kernel.
+    Raises ValueError for shapes that do not fit the above, an unknown method, or
+    'flash_cpu' off the CPU or without the kernel.
     `depth_attention_reference` is the same function written as the plain formula."""
+    check_depth_attention_args(q, k, v, depth_k, depth_v)
     B, H, T, hd = q.shape
     Hkv, S = k.size(1), len(depth_k)
-    assert len(depth_v) == S and H % Hkv == 0
     cpu_flash = q.device.type == 'cpu' and _CPU_FLASH is not None
     if method is None:  # the CPU kernel wherever SDPA itself would pick it (not under sdpa_kernel(MATH))
         method = 'flash_cpu' if cpu_flash and flash_backend_enabled() else 'null_key'
@@ -423,6 +451,27 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None):
     if gqa:  # the kernel has no GQA: repeat each key/value head for its H / H_kv query heads
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
     return MergeDepthFunction.apply(q, k, v, y_dep, lse, scale)
+
+
+def check_depth_attention_args(q, k, v, depth_k, depth_v):
+    """Raises ValueError unless `depth_attention` can take these: q (B, H, T, hd), k and v
+    (B, H_kv, T, hd) with H a multiple of H_kv >= 1, and as many depth keys as depth values,
+    each (B, H_kv, T, hd)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"depth_attention: q, k, v must be 4-d (B, heads, T, hd), got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, hd = q.shape
+    Hkv = k.size(1)
+    if k.shape != v.shape or Hkv < 1 or H % Hkv or k.shape != (B, Hkv, T, hd):
+        raise ValueError(f"depth_attention: k and v must be (B, H_kv, T, hd) = ({B}, H_kv, {T}, {hd}) "
+                         f"with H_kv dividing H = {H}; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if len(depth_k) != len(depth_v):
+        raise ValueError(f"depth_attention: {len(depth_k)} depth keys but {len(depth_v)} depth values")
+    for name, slots in (('key', depth_k), ('value', depth_v)):
+        for j, t in enumerate(slots):
+            if t.shape != k.shape:
+                raise ValueError(f"depth_attention: depth {name} {j} has shape {tuple(t.shape)}, "
+                                 f"expected {tuple(k.shape)} like k")
 
 
 def merge_null_key(q, k, v, y_dep, lse, scale):
@@ -451,7 +500,8 @@ def merge_null_key(q, k, v, y_dep, lse, scale):
 def depth_attention_reference(q, k, v, depth_k, depth_v):
     """`depth_attention` as the plain formula, left to autograd: an explicit fp32 score
     matrix (B, H, T, T + S) over the causal keys and the stacked depth keys. Memory
-    O(B H T (T + S)); what tests check `depth_attention` against."""
+    O(B H T (T + S)); what tests check `depth_attention` against. Raises as it does."""
+    check_depth_attention_args(q, k, v, depth_k, depth_v)
     B, H, T, hd = q.shape
     Hkv, S = k.size(1), len(depth_k)
     dk = torch.stack(list(depth_k), dim=3) if S else k.new_zeros(B, Hkv, T, 0, hd)   # (B, H_kv, T, S, hd)

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from model import RMSNorm, apply_rope
-from ops import NormedProjection, depth_attention, depth_mix, no_autocast, sinkhorn_leading
+from ops import NormedProjection, check_sinkhorn_iters, depth_attention, depth_mix, no_autocast, sinkhorn_leading
 
 
 class Residual(nn.Module):
@@ -237,8 +237,6 @@ class AttnRes(Residual):
 # ---- Hyper-Connections -------------------------------------------------------
 # HC and mHC: m residual streams, read / mixed / written by per-token coefficients.
 
-
-
 class RoutedLayer(PreNormLayer):
     """Block b of HC/mHC: the two pre-norms and the routing parameters of its attention
     (`attn_route`) and MLP (`mlp_route`) sublayers."""
@@ -260,10 +258,10 @@ class MultiStream(Residual):
     (RMSNorm = the sublayer's ordinary pre-norm attn_norm / mlp_norm). Read and mix are one
     batched matmul [r | M]^T H (under torch.compile: the same product written as a broadcast
     multiply summed over the streams, which inductor fuses into one pass). The embedding is
-    copied into every stream; the readout is the sum of the streams. probe = the m streams concatenated (B, T, m d), lens = their
-    sum (B, T, d) (probes.md §0, §5); skip = identity on all streams, no mixing and no
-    write (probes.md §2). Trace per sublayer: read r (B, T, m), mix M (B, T, m, m) with
-    new stream t = sum_s M[s, t] H[s], write w (B, T, m).
+    copied into every stream; the readout is the sum of the streams. probe = the m streams
+    concatenated (B, T, m d), lens = their sum (B, T, d) (probes.md §0, §5); skip = identity
+    on all streams, no mixing and no write (probes.md §2). Trace per sublayer: read r
+    (B, T, m), mix M (B, T, m, m) with new stream t = sum_s M[s, t] H[s], write w (B, T, m).
 
     The routing runs with autocast off, in the streams' dtype (fp32 under bf16 autocast,
     as Pre-LN's residual stream is); only the branch F runs under autocast.
@@ -437,14 +435,16 @@ class MHC(MultiStream):
     a tanh on x' phi; we follow the paper's alpha x' phi + b (the same under the uniform
     init, where b = 0, up to that tanh). The eps of RMS(vec H) is cfg.norm_eps (1e-6, the
     Liger backend's; the PyTorch backend uses 1e-8). Sinkhorn: same row-then-column
-    rounds, first round in the log domain (`sinkhorn`).
+    rounds, first round in the log domain (`ops.sinkhorn`).
     """
 
     def __init__(self, cfg):
         if cfg.mhc_init not in ('gap8', 'uniform'):
             raise ValueError(f"mhc_init must be 'gap8' or 'uniform', got {cfg.mhc_init!r}")
-        if cfg.mhc_sinkhorn_iters < 1:
-            raise ValueError(f"mhc_sinkhorn_iters must be >= 1, got {cfg.mhc_sinkhorn_iters}")
+        try:
+            check_sinkhorn_iters(cfg.mhc_sinkhorn_iters)
+        except ValueError:
+            raise ValueError(f"mhc_sinkhorn_iters must be an int >= 1, got {cfg.mhc_sinkhorn_iters!r}") from None
         super().__init__(cfg, MHCRoute)
 
     @torch.no_grad()
@@ -841,8 +841,6 @@ class ResiDual(SingleStream):
 
 # ---- MoDA --------------------------------------------------------------------
 
-
-
 def put_slot(slots, i, t):
     """A copy of the tuple `slots` with slot i replaced by t (the cache is never mutated)."""
     return slots[:i] + (t,) + slots[i + 1:]
@@ -880,7 +878,7 @@ class MoDA(Residual):
     (B, H_kv, T, hd) allocated once as one shared zero tensor; a write replaces a slot's
     reference (no copy, no per-block concatenation) and never modifies a tensor in place, so
     prefix states can be reused and autograd's saved slots stay valid. A read loops over
-    the slots (`DepthReadFunction`). probe = lens = h (probes.md §0).
+    the slots (`ops.DepthReadFunction`). probe = lens = h (probes.md §0).
     Skip rule (probes.md §2): a skipped block leaves h unchanged and writes nothing into
     its two slots, which stay zero and still take softmax mass exp(q . 0) = 1 with a zero
     value (a skipped block differs from a dropped one, which takes no slots).

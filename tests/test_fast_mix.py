@@ -128,6 +128,15 @@ def test_bad_arguments():
         depth_mix(sources, inv[:1], query, gain)
     with pytest.raises(ValueError, match='at least one source'):
         depth_mix([], [], query, gain)
+    for fn in (depth_mix, depth_mix_reference):  # shapes that do not fit, from both forms
+        with pytest.raises(ValueError, match=r'1/rms 0 has shape \(1, 2\), expected \(1, 2, 1\)'):
+            fn(sources, [t.squeeze(-1) for t in inv], query, gain)
+        with pytest.raises(ValueError, match=r'source 1 has shape \(1, 2, 3\), expected \(1, 2, 4\)'):
+            fn([sources[0], sources[1][..., :3]], inv, query, gain)
+        with pytest.raises(ValueError, match=r'query has shape \(3,\), expected \(4,\)'):
+            fn(sources, inv, query[:3], gain)
+        with pytest.raises(ValueError, match='at least one source'):
+            fn([], [], query, gain)
 
 
 def saved_storages(fn, *args):

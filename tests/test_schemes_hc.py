@@ -9,12 +9,13 @@ tiny models.
 
 import io
 
+import numpy as np
 import pytest
 import torch
 
 from compile_check import assert_compiled_matches_eager
 from model import GPT, GPTConfig
-from ops import NormedProjection, sinkhorn
+from ops import NormedProjection, sinkhorn, sinkhorn_leading
 
 V = 128          # vocabulary of the tiny test models
 SCHEMES = ('hc', 'mhc', 'blockattnres')
@@ -322,9 +323,22 @@ def test_compiled_multistream_one_graph_same_gradients(residual):
 def test_sinkhorn_rejects_bad_input():
     with pytest.raises(ValueError, match='square'):
         sinkhorn(torch.zeros(3, 4), 20)
-    for iters in (0, 2.5, True):
+    for iters in (0, 2.5, True, torch.tensor(3)):
         with pytest.raises(ValueError, match='iters'):
             sinkhorn(torch.zeros(4, 4), iters)
+    assert torch.equal(sinkhorn(torch.zeros(4, 4), np.int64(3)), sinkhorn(torch.zeros(4, 4), 3))
+    with pytest.raises(ValueError, match='square'):   # the (m, m, ...) layout mHC uses
+        sinkhorn_leading(torch.zeros(4, 5, 3), 3)
+    with pytest.raises(ValueError, match='iters'):    # eagerly 0 rounds used to run one
+        sinkhorn_leading(torch.zeros(4, 4, 3), 0)
+
+
+@pytest.mark.parametrize('iters', [0, 2.5, 2.0, True])
+def test_mhc_rejects_bad_sinkhorn_iters(iters):
+    """A bad mhc_sinkhorn_iters is a ValueError when the model is built (2.5 used to fail
+    with a TypeError deep in the first forward; True ran one round)."""
+    with pytest.raises(ValueError, match='mhc_sinkhorn_iters must be an int >= 1'):
+        make('mhc', n_layer=1, n_embd=32, mhc_sinkhorn_iters=iters)
 
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])

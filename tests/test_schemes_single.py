@@ -403,6 +403,24 @@ def test_depth_attention_method_errors():
         depth_attention(q.to('meta'), q.to('meta'), q.to('meta'), [q.to('meta')], [q.to('meta')], method='flash_cpu')
 
 
+@pytest.mark.parametrize('fn', [depth_attention, depth_attention_reference])
+def test_depth_attention_shape_errors(fn):
+    """Shapes that do not fit give a ValueError naming the problem, from both forms
+    (before the checks: a bare assert, an IndexError, or for k of another length on the
+    CPU path, a silently wrong result)."""
+    q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    cases = [((q, kv, kv, [kv, kv], []), "2 depth keys but 0 depth values"),
+             ((q, kv, kv, [kv, kv], [kv]), "2 depth keys but 1 depth values"),
+             ((q, torch.randn(1, 3, 3, 8), torch.randn(1, 3, 3, 8), [], []), "dividing H = 4"),
+             ((q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), [], []), "k and v must be"),
+             ((q, kv, torch.randn(1, 1, 3, 8), [], []), "k and v must be"),
+             ((q, kv, kv, [kv], [torch.randn(1, 2, 4, 8)]), "depth value 0 has shape"),
+             ((q[0], kv, kv, [], []), "must be 4-d")]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            fn(*args)
+
+
 def moda(L=3, use_depth=True, **kw):
     model = make('moda', L=L, d=32, H=4, kv=2, **kw)
     model.residual.use_depth = use_depth
