@@ -185,10 +185,11 @@ def sinkhorn(logits, iters):
     return sinkhorn_leading(logits.movedim((-2, -1), (0, 1)), iters).movedim((0, 1), (-2, -1))
 
 
-def check_sinkhorn_iters(iters):
-    """iters as an int; raises ValueError unless it is an integer >= 1 (bool and float are not)."""
+def check_sinkhorn_iters(iters, name='iters'):
+    """iters as an int; raises ValueError, naming it `name`, unless it is an integer >= 1
+    (bool and float are not)."""
     if isinstance(iters, bool) or not isinstance(iters, numbers.Integral) or iters < 1:
-        raise ValueError(f"Sinkhorn needs iters, its number of rounds, to be an int >= 1; got {iters!r}")
+        raise ValueError(f"{name} must be an int >= 1 (the number of Sinkhorn rounds), got {iters!r}")
     return int(iters)
 
 

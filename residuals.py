@@ -441,10 +441,7 @@ class MHC(MultiStream):
     def __init__(self, cfg):
         if cfg.mhc_init not in ('gap8', 'uniform'):
             raise ValueError(f"mhc_init must be 'gap8' or 'uniform', got {cfg.mhc_init!r}")
-        try:
-            check_sinkhorn_iters(cfg.mhc_sinkhorn_iters)
-        except ValueError:
-            raise ValueError(f"mhc_sinkhorn_iters must be an int >= 1, got {cfg.mhc_sinkhorn_iters!r}") from None
+        check_sinkhorn_iters(cfg.mhc_sinkhorn_iters, 'mhc_sinkhorn_iters')
         super().__init__(cfg, MHCRoute)
 
     @torch.no_grad()
