@@ -75,7 +75,7 @@ attnres_blocks = 8  # Block AttnRes blocks
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu' or 'cuda'
 dtype = None  # None = bfloat16 autocast on CUDA, float32 elsewhere; 'float32', 'bfloat16', 'float16'
 compile = False  # torch.compile every model (whole-model graphs); recompiles after warm-up are reported
-steps = 20  # timed training steps (and prefill passes) per model, spread over the rounds; 0 = memory only
+steps = 20  # timed training steps (and prefill passes) per model, spread over the rounds (rounded up to a multiple of them); 0 = memory only
 warmup = 5  # untimed training steps (and prefill passes) per model before timing
 rounds = 5  # interleaved timing rounds; ratios are medians over rounds
 hc_package = False  # also time PlainGPT with the PyPI hyper-connections package (4 streams), if installed
@@ -287,6 +287,12 @@ def graph_counts():
     return counters['stats']['unique_graphs'], sum(counters['graph_break'].values())
 
 
+def steps_per_round(steps, rounds):
+    """Timed steps of each model in each round: steps spread over the rounds, rounded up, so
+    that at least `steps` are timed (0 = memory only)."""
+    return -(-steps // rounds)
+
+
 def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg, lr, seed_, log=None):
     """Builds the schemes `names` (Pre-LN first), PlainGPT and, with hc_pkg, the package's HC in
     PlainGPT; measures memory, warms up (compiles) and times them in interleaved rounds.
@@ -374,7 +380,7 @@ def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg,
         e.reset()
 
     # interleaved timing rounds
-    per_round = max(1, steps // rounds) if steps else 0
+    per_round = steps_per_round(steps, rounds)
     for r in range(rounds if steps else 0):
         order = entries[r % len(entries):] + entries[:r % len(entries)]
         for phase, fn, store in (('train', train_step, 'train_s'), ('prefill', prefill, 'prefill_s')):
@@ -532,10 +538,10 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if o.threads:
         torch.set_num_threads(o.threads)
-    nt = torch.get_num_threads()
+    nt, n_step = torch.get_num_threads(), steps_per_round(o.steps, o.rounds)
     print(f"bench: {', '.join(names)} + plain on {dev} ({dt}, compile={o.compile}, {nt} "
           f"CPU thread{'s' if nt != 1 else ''}), L={o.n_layer} d={o.n_embd} T={o.block_size} B={o.batch_size} V={o.vocab_size}, "
-          f"{o.steps} steps in {o.rounds} rounds, {o.warmup} warm-up")
+          f"{o.rounds} rounds of {n_step} timed step{'s' if n_step != 1 else ''}, {o.warmup} warm-up")
     rows = run(names, cfg_kw, dev, dt, o.compile, o.steps, o.warmup, o.rounds, o.hc_package, o.learning_rate, o.seed)
     print(format_table(rows, dev.type))
     if dev.type != 'cuda':

@@ -259,8 +259,13 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     assert att['saved_bytes'] > byname['preln']['saved_bytes']
     saved = json.loads(out.read_text())
     assert saved['config']['schemes'] == 'attnres' and saved['rows'][1]['name'] == 'attnres'
-    assert 'attnres' in capsys.readouterr().out
+    assert '2 rounds of 1 timed step,' in capsys.readouterr().out
     assert bench.schemes == 'preln,attnres'                        # defaults untouched
+
+
+def test_bench_times_at_least_the_steps_asked_for():
+    # 20 steps in 8 rounds: 3 per round (24), not 2 (16, fewer than asked)
+    assert [bench.steps_per_round(s, r) for s, r in ((20, 8), (20, 10), (1, 5), (0, 5))] == [3, 2, 1, 0]
 
 
 @pytest.mark.parametrize('arg, msg', [('--schemes=nope', 'unknown scheme'),
