@@ -331,16 +331,20 @@ def get_lr(it):
 @torch.no_grad()
 def estimate_val_loss():
     """Mean next-token cross-entropy (nats) over the first eval_iters x batch_size chunks
-    of val.bin (the same chunks every time; fewer if val.bin is smaller), over all ranks."""
+    of val.bin (the same chunks every time, whatever the number of processes; fewer if
+    val.bin is smaller). Batch k (chunks [k B, (k+1) B)) is scored by rank k mod world."""
     model.eval()
-    loader = TokenLoader(val_path, batch_size, block_size, rank, world_size, shuffle=False)
-    n = min(eval_iters, loader.n_chunks // (batch_size * world_size))
+    loader = TokenLoader(val_path, batch_size, block_size, shuffle=False)  # one stream: step k = batch k
+    n = min(eval_iters, loader.n_chunks // batch_size)
     total = torch.zeros(2, device=device)
-    for _ in range(n):
+    for i in range(math.ceil(n / world_size)):  # every rank runs as many forwards (FSDP gathers in each)
+        k = i * world_size + rank
+        loader.step = k if k < n else 0       # past the end: a forward that counts for nothing
         x, y = loader.next_batch()
         with autocast:
             _, loss = model(x, y)
-        total += torch.stack([loss.float() * y.numel(), torch.tensor(float(y.numel()), device=device)])
+        weight = float(k < n)
+        total += torch.stack([loss.float() * y.numel() * weight, torch.tensor(y.numel() * weight, device=device)])
     if ddp:
         dist.all_reduce(total)
     model.train()

@@ -88,8 +88,9 @@ def test_resume_is_bit_identical(data_dir, tmp_path):
 @pytest.mark.parametrize('sharding', ['--fsdp=False', '--fsdp=True'])
 def test_ddp_two_processes_equal_accumulation(sharding, data_dir, tmp_path):
     """2 gloo processes x 1 micro-step == 1 process x 2 micro-steps (same batches, averaged
-    gradients), with DDP and with FSDP2 (fully_shard)."""
-    common = [*TINY, f'--data_dir={data_dir}', '--max_iters=6', '--eval_interval=100']
+    gradients), with DDP and with FSDP2 (fully_shard); the validation loss is over the same
+    eval_iters batches (3: one rank scores two, the other one)."""
+    common = [*TINY, f'--data_dir={data_dir}', '--max_iters=6', '--eval_interval=100', '--eval_iters=3']
     train(*common, f'--out_dir={tmp_path / "single"}')
     env = dict(os.environ, OMP_NUM_THREADS='1')
     r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
@@ -100,6 +101,9 @@ def test_ddp_two_processes_equal_accumulation(sharding, data_dir, tmp_path):
     assert [i for i, _ in single] == [i for i, _ in ddp]
     np.testing.assert_allclose([l for _, l in ddp], [l for _, l in single], rtol=1e-5)
     assert single[-1][1] < single[0][1]
+    val = [[m['val_loss'] for m in metrics(tmp_path / o) if 'val_loss' in m] for o in ('single', 'ddp')]
+    assert len(val[0]) == 2                                 # at iteration 0 and 6
+    np.testing.assert_allclose(val[1], val[0], rtol=1e-5)
 
 
 def one_line_error(r, *needles):
