@@ -101,8 +101,23 @@ def fail(msg):
     sys.exit(f"error: {msg}")
 
 
-# the ranges the script relies on: a bad value is one line here, not a traceback (or an
-# endless run) later. None keeps its documented meaning.
+# the types of the keys whose default is None (the configurator checks the others against
+# their defaults' types), then the ranges the script relies on: a bad value is one line
+# here, not a traceback (or an endless run) later. None keeps its documented meaning.
+NONE_DEFAULT_TYPES = {'stop_iter': int, 'max_iters': int, 'warmup_iters': int, 'n_kv_head': int,
+                      'ffn_hidden': int, 'vocab_size': int, 'learning_rate': float, 'data_dir': str,
+                      'dtype': str, 'compile': bool, 'backend': str}
+def _has_type(v, t):
+    """isinstance, except that True/False are not ints or floats here; an int passes as a float."""
+    if t is bool:
+        return isinstance(v, bool)
+    return isinstance(v, (int, float) if t is float else t) and not isinstance(v, bool)
+
+
+for _key, _type in NONE_DEFAULT_TYPES.items():
+    _v = globals()[_key]
+    if _v is not None and not _has_type(_v, _type):
+        fail(f"{_key}={_v!r} must be {'an' if _type is int else 'a'} {_type.__name__} (or None)")
 RANGES = {  # key -> (lowest allowed value, whether the lowest value itself is allowed)
     'eval_interval': (1, True), 'log_interval': (1, True), 'eval_iters': (1, True),
     'gradient_accumulation_steps': (1, True), 'batch_size': (1, True), 'block_size': (1, True),
@@ -136,6 +151,10 @@ if ddp:
     gradient_accumulation_steps //= world_size
 else:
     rank, local_rank, world_size, master = 0, 0, 1, True
+try:
+    torch.device(device)
+except RuntimeError:
+    fail(f"device={device!r} is not a torch device: use 'cpu', 'cuda', 'cuda:N' or 'mps'")
 device_type = 'cuda' if device.startswith('cuda') else device.split(':')[0]
 if device_type == 'cuda' and not torch.cuda.is_available():
     fail(f"device={device!r} but CUDA is not available here: use --device=cpu")

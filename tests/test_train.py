@@ -136,7 +136,12 @@ def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
                                         ('--log_interval=0', 'log_interval=0 must be >= 1'),
                                         ('--eval_iters=0', 'eval_iters=0 must be >= 1'),
                                         ('--learning_rate=-1', 'learning_rate=-1 must be > 0'),
-                                        ('--min_lr_frac=1.5', 'fraction')])
+                                        ('--min_lr_frac=1.5', 'fraction'),
+                                        ('--max_iters=3.5', 'max_iters=3.5 must be an int'),  # ran forever
+                                        ('--stop_iter=abc', "stop_iter='abc' must be an int"),
+                                        ('--learning_rate=fast', "learning_rate='fast' must be a float"),
+                                        ('--vocab_size=abc', "vocab_size='abc' must be an int"),
+                                        ('--device=gpu', "device='gpu' is not a torch device")])
 def test_out_of_range_settings_give_one_line_errors(arg, expect, data_dir, tmp_path):
     """Values that would crash later, or never stop (a negative max_iters), are refused up front."""
     one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path}', arg, check=False), expect)
