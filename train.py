@@ -273,6 +273,9 @@ elif init_from == 'scratch':
         fail(str(e))
 else:
     fail(f"init_from={init_from!r}: use 'scratch' or 'resume'")
+if model_args['vocab_size'] < meta.get('vocab_size', 0):  # token ids past the embedding: an IndexError mid-run
+    fail(f"the model's vocab_size={model_args['vocab_size']} is smaller than the data's ({meta['vocab_size']}, "
+         f"{meta_path}): use the data the model was made for, or a vocab_size >= {meta['vocab_size']}")
 try:
     model = GPT(GPTConfig(**model_args))
 except ValueError as e:

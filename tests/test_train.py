@@ -120,6 +120,8 @@ def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
     one_line_error(train('--device=cpu', f'--data_dir={data_dir}', '--n_embd=100', '--n_head=16', check=False),
                    'not divisible by n_head')
     one_line_error(train('--device=cpu', '--dtype=float16', f'--data_dir={data_dir}', check=False), 'float32')
+    one_line_error(train(*TINY, f'--data_dir={data_dir}', '--vocab_size=100', check=False),
+                   'vocab_size=100 is smaller than the data', '257')
     out = tmp_path / 'trunc'
     train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=1')
     data = (out / 'ckpt.pt').read_bytes()
