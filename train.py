@@ -315,6 +315,8 @@ if fsdp:  # shard before the optimizer is built: FSDP2 replaces the parameters b
     fully_shard(raw_model, mp_policy=mp)
     autocast = nullcontext()  # FSDP2 casts the parameters itself
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), 1e-8, device_type)
+# fp16 gradients underflow without loss scaling; for bf16 and fp32 the scaler is a no-op
+scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
 iter_num, best_val_loss = 0, float('inf')
 if checkpoint is not None:
     if fsdp:
@@ -324,6 +326,8 @@ if checkpoint is not None:
     else:
         optimizer.load_state_dict(checkpoint['optimizer'])
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+    if checkpoint.get('scaler'):
+        scaler.load_state_dict(checkpoint['scaler'])
     train_loader.load_state_dict(checkpoint['loader'])
     torch.set_rng_state(checkpoint['rng']['torch'])
     if device_type == 'cuda' and 'cuda' in checkpoint['rng']:
@@ -397,7 +401,7 @@ def save_checkpoint(path):
         rng['cuda'] = torch.cuda.get_rng_state()
     ckpt = {'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config),
             'config': config, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
-            'loader': train_loader.state_dict(), 'rng': rng}
+            'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict()}
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     tmp = path + '.tmp'
     torch.save(ckpt, tmp)
@@ -481,14 +485,16 @@ while True:
         with autocast:
             _, loss = model(x, y)
             loss = loss / gradient_accumulation_steps
-        loss.backward()
+        scaler.scale(loss).backward()
         loss_sum += loss.detach()
+    scaler.unscale_(optimizer)  # clip the true gradients
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
     if hasattr(grad_norm, 'full_tensor'):  # a DTensor under FSDP
         grad_norm = grad_norm.full_tensor()
     log_step = (iter_num + 1) % log_interval == 0 or iter_num + 1 == max_iters
     stats = block_stats(x) if log_step and master else {}
-    optimizer.step()
+    scaler.step(optimizer)  # skipped by the fp16 scaler if a gradient overflowed
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
     if ddp:
