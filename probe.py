@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -100,9 +101,13 @@ def load_model(ckpt_path, device='cpu'):
 
 
 def data_dir_for(ckpt):
-    """data/<dataset> of a checkpoint's training config, relative to the working directory or,
-    failing that, to the repository root. None when the config names no dataset."""
-    dataset = (ckpt.get('config') or {}).get('dataset')
+    """The data directory of a checkpoint's training config: its data_dir if set, else
+    data/<dataset> relative to the working directory or, failing that, to the repository
+    root. None when the config names neither."""
+    config = ckpt.get('config') or {}
+    if config.get('data_dir'):
+        return Path(config['data_dir'])
+    dataset = config.get('dataset')
     if not dataset:
         return None
     for root in (Path.cwd(), REPO_ROOT):
@@ -733,8 +738,10 @@ def parse_metrics(text):
     return names
 
 
-def probe_checkpoint(ckpt_path, metrics, args):
-    """Runs `metrics` on one checkpoint; returns the results dict that goes into probe.json."""
+def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
+    """Runs `metrics` on one checkpoint; returns the results dict that goes into probe.json.
+    json_path: where to write the results so far after each metric (None: nowhere).
+    Raises ValueError when the held-out tokens or the tokenizer do not fit the model's vocabulary."""
     from tokenizer import get_tokenizer
     model, ckpt = load_model(ckpt_path, args.device)
     cfg, L = model.config, model.config.n_layer
@@ -755,7 +762,18 @@ def probe_checkpoint(ckpt_path, metrics, args):
         if val_bin is None:
             raise FileNotFoundError("the checkpoint's config names no dataset; pass --val_bin=PATH")
         out['settings'][metric] = {'n_windows': n, 'seq_len': T, 'seed': args.seed}
-        return sample_windows(val_bin, n, T, args.seed)
+        w = sample_windows(val_bin, n, T, args.seed)
+        if w.max() >= cfg.vocab_size:  # another tokenizer's data: an IndexError deep in the model otherwise
+            raise ValueError(f"{val_bin} holds token id {w.max().item()}, past the model's vocab_size "
+                             f"{cfg.vocab_size}: pass the --val_bin of the data the model was trained on")
+        return w
+
+    def tokenizer():
+        tok = get_tokenizer(tok_name)
+        if tok.n_vocab > cfg.vocab_size:
+            raise ValueError(f"tokenizer {tok_name!r} has {tok.n_vocab:,} ids, more than the model's vocab_size "
+                             f"{cfg.vocab_size}: pass the --tokenizer the model was trained with")
+        return tok
 
     def skip(metric, why):
         print(f"skipping {metric}: {why}")
@@ -791,16 +809,18 @@ def probe_checkpoint(ckpt_path, metrics, args):
                                  f"run `python data/evals/prepare.py --tasks arc_easy`")
                     continue
                 items = evals.load_task('arc_easy', args.eval_dir)[:args.arc_limit or None]
-                out[metric] = prune_scan(model, get_tokenizer(tok_name), items, batch_size=args.eval_batch_size,
+                out[metric] = prune_scan(model, tokenizer(), items, batch_size=args.eval_batch_size,
                                          progress=True)
                 out['settings'][metric] = {'n_items': len(items)}
             elif metric == 'domain_nll':
                 if not evals.load_tasks(evals.NLL_TASKS, args.eval_dir):
                     skip(metric, f"no domain-NLL task in {args.eval_dir}; run `python data/evals/prepare.py`")
                     continue
-                out[metric] = domain_nll(model, get_tokenizer(tok_name), args.eval_dir,
+                out[metric] = domain_nll(model, tokenizer(), args.eval_dir,
                                          batch_size=args.eval_batch_size, progress=True, limit=args.nll_limit)
         _report(metric, out.get(metric))
+        if json_path:  # after every metric: a later crash keeps what is done
+            write_json(out, json_path)
     if 'causal' in out or 'permutation' in out:
         out['late_pairs'] = late_pair_ratio(out.get('causal', {}).get('C'), out.get('permutation', {}).get('P'),
                                             args.causal_threshold, args.perm_threshold)
@@ -849,14 +869,21 @@ def _report(metric, r):
         print("domain_nll: " + ", ".join(f"{c} {v['nll']:.3f} nats/token" for c, v in cats if v['nll'] is not None))
 
 
-def write_results(results, out_dir):
-    """Writes probe.json and the figures of one checkpoint into out_dir; returns the paths."""
-    import probe_plots
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / 'probe.json', 'w') as f:
+def write_json(results, path):
+    """Writes results as JSON to path, through a temporary file: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + '.tmp')
+    with open(tmp, 'w') as f:
         json.dump(_jsonable(results), f, indent=1)
-    return [out_dir / 'probe.json'] + probe_plots.plot_all([results], out_dir)
+    os.replace(tmp, path)
+
+
+def write_results(results, out_dir):
+    """Writes probe.json, then the figures of one checkpoint, into out_dir; returns the paths."""
+    write_json(results, Path(out_dir) / 'probe.json')
+    import probe_plots  # after the JSON: without matplotlib the numbers are still kept
+    return [Path(out_dir) / 'probe.json'] + probe_plots.plot_all([results], out_dir)
 
 
 def load_results(path):
@@ -910,8 +937,8 @@ def main(argv=None):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")
         if args.ckpt:
-            results = probe_checkpoint(args.ckpt, metrics, args)
             out_dir = args.out_dir or Path(args.ckpt).resolve().parent / 'probe'
+            results = probe_checkpoint(args.ckpt, metrics, args, json_path=Path(out_dir) / 'probe.json')
             for path in write_results(results, out_dir):
                 print(f"wrote {path}")
             return results
@@ -922,7 +949,7 @@ def main(argv=None):
                 all_results.append(load_results(path))
             else:
                 args.label = None
-                r = probe_checkpoint(path, metrics, args)
+                r = probe_checkpoint(path, metrics, args, json_path=Path(path).resolve().parent / 'probe' / 'probe.json')
                 write_results(r, Path(path).resolve().parent / 'probe')
                 all_results.append(r)
         out_dir = Path(args.out_dir or 'out/probe_compare')

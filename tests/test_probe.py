@@ -505,6 +505,32 @@ def test_cli_end_to_end_writes_json_and_figures(tmp_path, capsys):
     assert 'not found' in capsys.readouterr().err
 
 
+def test_cli_keeps_finished_metrics_and_checks_the_vocabulary(tmp_path, monkeypatch, capsys):
+    val = write_val(tmp_path / 'data' / 'val.bin', vocab=257)
+    ckpt = make_run(tmp_path, 'preln')
+    common = [f'--val_bin={val}', '--tokenizer=byte', '--n_windows=2', '--seq_len=16', '--device=cpu']
+
+    def crash(*args, **kwargs):
+        raise RuntimeError('out of memory')
+    monkeypatch.setattr(probe, 'logit_lens', crash)
+    with pytest.raises(RuntimeError):
+        probe.main([f'--ckpt={ckpt}', '--metrics=angular,logit_lens'] + common)
+    kept = json.loads((ckpt.parent / 'probe' / 'probe.json').read_text())
+    assert 'angular' in kept and 'logit_lens' not in kept         # the finished metric survives the crash
+    small = save_ckpt(tmp_path / 'small' / 'ckpt.pt', tiny('preln', n_layer=2, vocab_size=64))
+    with pytest.raises(SystemExit):                              # byte data (ids up to 256) into 64 rows
+        probe.main([f'--ckpt={small}', '--metrics=angular'] + common)
+    assert "past the model's vocab_size 64" in capsys.readouterr().err
+    (tmp_path / 'evals').mkdir()
+    (tmp_path / 'evals' / 'gsm8k.jsonl').write_text(json.dumps(
+        {'task': 'gsm8k', 'id': 'g1', 'prompt': 'Question: 1+1?\nAnswer:', 'answer': ' 2\n#### 2'}) + '\n')
+    with pytest.raises(SystemExit):                              # GPT-2 BPE ids into a byte-level model
+        probe.main([f'--ckpt={ckpt}', '--metrics=domain_nll', f'--val_bin={val}', '--tokenizer=gpt2',
+                    f'--eval_dir={tmp_path / "evals"}', '--device=cpu'])
+    assert "more than the model's vocab_size 257" in capsys.readouterr().err
+    assert probe.data_dir_for({'config': {'data_dir': '/x/y', 'dataset': 'fineweb_edu'}}) == Path('/x/y')
+
+
 @pytest.mark.slow
 def test_cli_compare_overlays_several_checkpoints(tmp_path, monkeypatch):
     monkeypatch.setitem(residuals.RESIDUALS, 'toyhc', ToyHC)
