@@ -258,9 +258,12 @@ if init_from == 'resume':
         checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
     except Exception as e:
         fail(f"cannot read checkpoint {ckpt_path} (truncated or corrupt: {type(e).__name__}): "
-             f"restore a good copy or start fresh with --init_from=scratch")
+             f"restore a good copy, or start fresh with --init_from=scratch in another --out_dir")
     model_args = checkpoint['model_args']
 elif init_from == 'scratch':
+    if os.path.exists(ckpt_path):  # never overwrite a run, or mix two runs' metrics.jsonl
+        fail(f"{out_dir} already holds a run ({ckpt_path}): continue or evaluate it with --init_from=resume, "
+             f"or start anew in another --out_dir")
     if residual not in RESIDUALS:
         fail(f"unknown residual={residual!r}; known: {', '.join(RESIDUALS)}")
     try:
@@ -429,9 +432,19 @@ def block_stats(x):
 
 
 metrics_file = None
-if master:
+if master and not eval_only:
     os.makedirs(out_dir, exist_ok=True)
-    metrics_file = open(os.path.join(out_dir, 'metrics.jsonl'), 'a')  # appended to on resume
+    metrics_path = os.path.join(out_dir, 'metrics.jsonl')
+    rows = []
+    if init_from == 'resume' and os.path.exists(metrics_path):
+        # rows logged after the checkpoint belong to iterations this run repeats: drop them,
+        # so each iteration has one row (written to a temp file and renamed: nothing lost on a crash)
+        with open(metrics_path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)['iter'] <= iter_num]
+    with open(metrics_path + '.tmp', 'w') as f:
+        f.writelines(rows)
+    os.replace(metrics_path + '.tmp', metrics_path)
+    metrics_file = open(metrics_path, 'a')
 
 
 def log_metrics(row):
@@ -452,7 +465,8 @@ def shutdown():
 
 
 if eval_only:
-    print0(f"val loss {estimate_val_loss():.4f}")
+    print0(f"val loss {estimate_val_loss():.4f}" + (" (untrained weights: init_from='scratch')"
+                                                    if init_from == 'scratch' else ''))
     shutdown()
     sys.exit(0)
 
@@ -504,8 +518,9 @@ while True:
         iter_num += 1
         save_checkpoint(os.path.join(out_dir, 'ckpt_nonfinite.pt'))
         fail(f"non-finite training loss {lossf} at iteration {iter_num}; state saved to "
-             f"{out_dir}/ckpt_nonfinite.pt. Lower --learning_rate (now {learning_rate:g}) or resume "
-             f"from the last good {ckpt_path} with --init_from=resume")
+             f"{out_dir}/ckpt_nonfinite.pt. Lower --learning_rate (now {learning_rate:g}) and "
+             + (f"resume from the last good {ckpt_path} with --init_from=resume" if os.path.exists(ckpt_path)
+                else "start again (no checkpoint was written before this)"))
     iter_num += 1
     t1 = time.time()
     dt, t0 = t1 - t0, t1

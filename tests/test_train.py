@@ -76,6 +76,8 @@ def test_resume_is_bit_identical(data_dir, tmp_path):
     train(*common, f'--out_dir={tmp_path / "b"}', '--stop_iter=7')
     assert not (tmp_path / 'b' / 'summary.json').exists()
     assert max(i for i, _ in train_losses(tmp_path / 'b')) == 7
+    with open(tmp_path / 'b' / 'metrics.jsonl', 'a') as f:  # a row logged after the checkpoint, then a crash
+        f.write(json.dumps({'iter': 8, 'train_loss': 123.0}) + '\n')
     train(*common, f'--out_dir={tmp_path / "b"}', '--init_from=resume')
     a, b = train_losses(tmp_path / 'a'), train_losses(tmp_path / 'b')
     assert a == b  # exact float equality, every iteration
@@ -126,8 +128,10 @@ def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
     train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=1')
     data = (out / 'ckpt.pt').read_bytes()
     (out / 'ckpt.pt').write_bytes(data[:len(data) // 2])
+    one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', check=False),
+                   'already holds a run', '--init_from=resume')   # a new run would overwrite it
     one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--init_from=resume', check=False),
-                   'truncated', 'init_from=scratch')
+                   'truncated', 'another --out_dir')
     one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "none"}', '--init_from=resume',
                          check=False), 'does not exist')
 
@@ -153,7 +157,7 @@ def test_nonfinite_loss_stops_with_diagnostic_checkpoint(data_dir, tmp_path):
     out = tmp_path / 'nan'
     r = train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=20', '--learning_rate=1e30',
               '--grad_clip=0', check=False)
-    one_line_error(r, 'non-finite', 'learning_rate')
+    one_line_error(r, 'non-finite', 'learning_rate', 'no checkpoint was written')  # none before iteration 1
     assert (out / 'ckpt_nonfinite.pt').exists()
 
 
