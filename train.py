@@ -90,7 +90,7 @@ seed = 1337
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 try:
-    configure(globals(), config_keys, sys.argv[1:], help_text=comments_from_source(__file__))
+    keys_set = configure(globals(), config_keys, sys.argv[1:], help_text=comments_from_source(__file__))
 except ConfigError as e:
     sys.exit(f"error: {e}")
 config = {k: globals()[k] for k in config_keys}  # saved in checkpoints and summary.json
@@ -129,6 +129,10 @@ for _key, (_low, _inclusive) in RANGES.items():
     _v = globals()[_key]
     if _v is not None and (_v < _low or (_v == _low and not _inclusive)):
         fail(f"{_key}={_v} must be {'>=' if _inclusive else '>'} {_low}")
+# settings a resumed run may change, though it then no longer continues the run exactly
+SCHEDULE_KEYS = ('max_iters', 'learning_rate', 'tokens_per_param', 'warmup_iters', 'warmup_frac', 'min_lr_frac',
+                 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'batch_size', 'gradient_accumulation_steps',
+                 'seed', 'dataset')
 for _key in ('warmup_frac', 'min_lr_frac'):
     if globals()[_key] > 1:
         fail(f"{_key}={globals()[_key]} is a fraction: give a value in [0, 1]")
@@ -260,6 +264,15 @@ if init_from == 'resume':
         fail(f"cannot read checkpoint {ckpt_path} (truncated or corrupt: {type(e).__name__}): "
              f"restore a good copy, or start fresh with --init_from=scratch in another --out_dir")
     model_args = checkpoint['model_args']
+    for k in keys_set:  # the model is the checkpoint's: a different setting would be silently ignored
+        if k in model_args and config[k] is not None and config[k] != model_args[k]:
+            fail(f"{k}={config[k]!r} differs from the checkpoint's {model_args[k]!r}: a resumed run keeps "
+                 f"the checkpoint's model; drop --{k}, or start a new run in another --out_dir")
+    for k in keys_set:  # allowed, but the run no longer continues exactly
+        old = (checkpoint.get('config') or {}).get(k, config[k])
+        if k in SCHEDULE_KEYS and config[k] != old:
+            print0(f"note: {k}={config[k]!r} differs from the checkpoint's run ({old!r}): "
+                   f"the resumed run does not continue it exactly")
 elif init_from == 'scratch':
     if os.path.exists(ckpt_path):  # never overwrite a run, or mix two runs' metrics.jsonl
         fail(f"{out_dir} already holds a run ({ckpt_path}): continue or evaluate it with --init_from=resume, "

@@ -126,6 +126,10 @@ def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
                    'vocab_size=100 is smaller than the data', '257')
     out = tmp_path / 'trunc'
     train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=1')
+    resume = [*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--init_from=resume']
+    one_line_error(train(*resume, '--n_layer=3', check=False), "n_layer=3 differs from the checkpoint's 2")
+    r = train(*resume, '--max_iters=3')  # allowed, with a note: the schedule changes
+    assert "note: max_iters=3 differs from the checkpoint's run (2)" in r.stdout
     data = (out / 'ckpt.pt').read_bytes()
     (out / 'ckpt.pt').write_bytes(data[:len(data) // 2])
     one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', check=False),
