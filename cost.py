@@ -612,12 +612,13 @@ def plot(rows, path, losses=None, title=''):
     schemes = list(dict.fromkeys(r['scheme'] for r in rows))
     ticks = sorted({(r['ratio'], r['L']) for r in rows})
     styles = itertools.cycle(itertools.product(('-', '--', ':'), 'osd^v'))  # schemes that coincide stay visible
-    style = {s: next(styles) for s in schemes}
+    colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
+    style = {s: (*next(styles), colors[i % len(colors)]) for i, s in enumerate(schemes)}  # one colour per scheme
     for ax, (key, scale, label) in zip(axes.flat, panels):
         for s in schemes:
             pts = sorted((r['ratio'], r[key] / scale) for r in rows if r['scheme'] == s and r.get(key) is not None)
             if pts:
-                ax.plot(*zip(*pts), linestyle=style[s][0], marker=style[s][1], ms=3, label=s)
+                ax.plot(*zip(*pts), linestyle=style[s][0], marker=style[s][1], color=style[s][2], ms=3, label=s)
         ax.set_xscale('log')
         ax.set_xticks([x for x, _ in ticks], [f"{x:.0f}\nL={L}" for x, L in ticks], fontsize=7)
         ax.minorticks_off()

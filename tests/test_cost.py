@@ -292,3 +292,18 @@ def test_measure_prefill_cpu():
     assert r['hours_per_1B'] == pytest.approx(r['latency_s'] / (B * T) * 1e9 / 3600)
     # the fp32 weights alone are resident while the passes run
     assert r['peak_mem_bytes'] >= 4 * r['params']
+
+
+def test_plot_gives_each_scheme_one_colour_in_every_panel(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+    figs = []
+    monkeypatch.setattr(plt, 'close', figs.append)  # keep the figure to inspect it
+    rows = [dict(scheme=s, ratio=r, L=L, d=d, flops=1e12 * L, kv_bytes=1e6 * L)
+            for s in ('preln', 'sandwich', 'hc') for r, L, d in ((64, 4, 256), (16, 8, 128))]
+    losses = {(s, L, d): 3.0 for s in ('preln', 'hc') for L, d in ((4, 256), (8, 128))}  # no sandwich loss
+    cost.plot(rows, tmp_path / 'c.png', losses)
+    colour = {}
+    for ax in figs[0].axes:
+        for line in ax.get_lines():  # the loss panel lacks sandwich: its own colour cycle would shift hc
+            assert colour.setdefault(line.get_label(), line.get_color()) == line.get_color(), line.get_label()
+    assert len(colour) == 3 and len(set(colour.values())) == 3
