@@ -359,6 +359,12 @@ def test_prepare_skips_missing_and_merges_manifest(tmp_path, capsys):
     write_jsonl(raw / 'math500_test.jsonl', [{'problem': 'p', 'solution': 's'}])
     manifest = prepare.prepare(['math500'], raw, out)
     assert manifest['tasks']['gsm8k']['count'] == 3 and manifest['tasks']['math500']['count'] == 1
+    (raw / 'gsm8k_test.jsonl').unlink()                       # a later run without gsm8k's source
+    manifest = prepare.prepare(['gsm8k'], raw, out)
+    assert manifest['tasks']['gsm8k']['count'] == 3 and (out / 'gsm8k.jsonl').is_file()
+    assert 'keeping the gsm8k.jsonl' in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match='is not a folder'):
+        prepare.prepare(['gsm8k'], tmp_path / 'nonexist', out)
 
 
 def test_prepare_bad_input_is_one_line_error(tmp_path):

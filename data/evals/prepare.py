@@ -288,8 +288,13 @@ def write_jsonl(items, path):
 
 def prepare(tasks=TASKS, input_dir=DEFAULT_INPUT_DIR, out_dir=DEFAULT_OUT_DIR, files=None, hub=False):
     """Write out_dir/<task>.jsonl for every task with data and update out_dir/manifest.json.
-    Returns the manifest dict. Raises ValueError on malformed input, FileNotFoundError on a bad --file."""
+    A task with no data keeps the file and manifest entry of an earlier run, if any.
+    Returns the manifest dict. Raises ValueError on malformed input, FileNotFoundError on a bad
+    --file or an input_dir that is not a folder (when some task needs it)."""
     files = files or {}
+    if not hub and not Path(input_dir).is_dir() and any(t not in files for t in tasks):
+        raise FileNotFoundError(f"--input_dir {input_dir} is not a folder; give the folder with the raw files, "
+                                f"--file TASK=PATH for each task, or --hub")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / 'manifest.json'
@@ -304,9 +309,13 @@ def prepare(tasks=TASKS, input_dir=DEFAULT_INPUT_DIR, out_dir=DEFAULT_OUT_DIR, f
             reason = f"no data (looked for {looked} in {input_dir}); pass --file {task}=PATH" + ('' if hub else ' or --hub')
             if task == 'gpqa':
                 reason += "; GPQA is gated: get gpqa_diamond.csv from the authors (idavidrein/gpqa)"
+            if task in manifest['tasks'] and (out_dir / f"{task}.jsonl").is_file():  # from an earlier run
+                print(f"skip {task}: {reason}; keeping the {task}.jsonl prepared earlier")
+                continue
             print(f"skip {task}: {reason}")
             manifest['skipped'][task] = reason
             manifest['tasks'].pop(task, None)
+            (out_dir / f"{task}.jsonl").unlink(missing_ok=True)  # a stray file would be read as the task
             continue
         records, source, split = found
         items = format_task(task, records, source)
