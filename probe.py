@@ -738,6 +738,20 @@ def parse_metrics(text):
     return names
 
 
+def default_label(ckpt_path):
+    """A checkpoint's name in figures: its run directory (out/main/hc_L32/ckpt.pt -> hc_L32),
+    plus the file name for any other file than ckpt.pt (run/ckpt_swap.pt -> run/ckpt_swap)."""
+    p = Path(ckpt_path).resolve()
+    return p.parent.name if p.stem == 'ckpt' else f"{p.parent.name}/{p.stem}"
+
+
+def default_probe_dir(ckpt_path):
+    """Where a checkpoint's probe.json and figures go: probe/ beside ckpt.pt, probe_<name>/
+    beside any other checkpoint file (two checkpoints of one run never share a folder)."""
+    p = Path(ckpt_path).resolve()
+    return p.parent / ('probe' if p.stem == 'ckpt' else f"probe_{p.stem}")
+
+
 def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     """Runs `metrics` on one checkpoint; returns the results dict that goes into probe.json.
     json_path: where to write the results so far after each metric (None: nowhere).
@@ -747,7 +761,7 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     cfg, L = model.config, model.config.n_layer
     val_bin = args.val_bin or (str(data_dir_for(ckpt) / 'val.bin') if data_dir_for(ckpt) else None)
     tok_name = args.tokenizer or tokenizer_name_for(ckpt, val_bin)
-    label = args.label or Path(ckpt_path).resolve().parent.name
+    label = args.label or default_label(ckpt_path)
     print(f"{label}: {cfg.residual}, L={L}, d={cfg.n_embd}, {model.num_params():,} parameters, "
           f"iter {ckpt.get('iter_num', '?')}, tokenizer {tok_name}, device {args.device}")
     out = {'label': label, 'ckpt': str(ckpt_path), 'scheme': cfg.residual, 'n_layer': L, 'n_embd': cfg.n_embd,
@@ -937,11 +951,14 @@ def main(argv=None):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")
         if args.ckpt:
-            out_dir = args.out_dir or Path(args.ckpt).resolve().parent / 'probe'
+            out_dir = args.out_dir or default_probe_dir(args.ckpt)
             results = probe_checkpoint(args.ckpt, metrics, args, json_path=Path(out_dir) / 'probe.json')
             for path in write_results(results, out_dir):
                 print(f"wrote {path}")
             return results
+        if args.label:
+            raise ValueError("--label names the model of --ckpt; under --compare each model is named by "
+                             "its run directory (and file name)")
         import probe_plots
         all_results = []
         for path in args.compare:
@@ -949,9 +966,13 @@ def main(argv=None):
                 all_results.append(load_results(path))
             else:
                 args.label = None
-                r = probe_checkpoint(path, metrics, args, json_path=Path(path).resolve().parent / 'probe' / 'probe.json')
-                write_results(r, Path(path).resolve().parent / 'probe')
+                r = probe_checkpoint(path, metrics, args, json_path=default_probe_dir(path) / 'probe.json')
+                write_results(r, default_probe_dir(path))
                 all_results.append(r)
+        labels = [r['label'] for r in all_results]
+        if len(set(labels)) < len(labels):  # compare.json is keyed by label: one would hide the other
+            raise ValueError(f"two models share a label in {labels}; compare checkpoints of different runs "
+                             f"(each model's own probe.json is written)")
         out_dir = Path(args.out_dir or 'out/probe_compare')
         out_dir.mkdir(parents=True, exist_ok=True)
         with open(out_dir / 'compare.json', 'w') as f:

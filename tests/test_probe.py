@@ -529,6 +529,13 @@ def test_cli_keeps_finished_metrics_and_checks_the_vocabulary(tmp_path, monkeypa
                     f'--eval_dir={tmp_path / "evals"}', '--device=cpu'])
     assert "more than the model's vocab_size 257" in capsys.readouterr().err
     assert probe.data_dir_for({'config': {'data_dir': '/x/y', 'dataset': 'fineweb_edu'}}) == Path('/x/y')
+    other = ckpt.parent / 'ckpt_copy.pt'                         # a second checkpoint of the same run
+    other.write_bytes(ckpt.read_bytes())
+    assert probe.default_label(other) == 'preln/ckpt_copy' and probe.default_label(ckpt) == 'preln'
+    assert probe.default_probe_dir(other) == other.parent / 'probe_ckpt_copy'
+    with pytest.raises(SystemExit):
+        probe.main(['--compare', str(ckpt), str(ckpt), '--metrics=angular'] + common)
+    assert 'share a label' in capsys.readouterr().err
 
 
 @pytest.mark.slow
