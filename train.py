@@ -24,6 +24,7 @@ Outputs in out_dir: ckpt.pt (latest checkpoint, written atomically), metrics.jso
 import json
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -483,6 +484,18 @@ if eval_only:
     shutdown()
     sys.exit(0)
 
+
+
+def on_interrupt(signum, frame):
+    """Ctrl-C: one line instead of a traceback. Checkpoints are written atomically, so the last
+    one is whole whatever the moment of the interrupt."""
+    where = (f"continue from {ckpt_path} with --init_from=resume" if os.path.exists(ckpt_path)
+             else "no checkpoint was written yet")
+    print0(f"interrupted at iteration {iter_num}; {where}")
+    sys.exit(130)
+
+
+signal.signal(signal.SIGINT, on_interrupt)
 model.train()
 t0 = time.time()
 val_loss = lossf = None

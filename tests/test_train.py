@@ -180,3 +180,21 @@ def test_real_web_text(tmp_path):
     val = [m['val_loss'] for m in metrics(out) if 'val_loss' in m]
     assert val[0] == pytest.approx(np.log(50280), abs=0.3)
     assert val[-1] < val[0] - 2.0  # from ln(50280) = 10.8 to below ~8.8 in 30k tokens
+
+
+def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(data_dir, tmp_path):
+    import signal
+    import time
+    out = tmp_path / 'int'
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    p = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out}',
+                          '--max_iters=100000', '--eval_interval=2'], cwd=REPO, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not (out / 'ckpt.pt').exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr[-2000:]
+    assert 'Traceback' not in stderr and 'interrupted at iteration' in stdout and '--init_from=resume' in stdout
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] >= 2  # whole, loadable
