@@ -880,7 +880,9 @@ def _report(metric, r):
               f"largest drop: block {worst['block']} ({worst['delta_acc_norm']:+.4f})")
     elif metric == 'domain_nll':
         cats = r['categories'].items()
-        print("domain_nll: " + ", ".join(f"{c} {v['nll']:.3f} nats/token" for c, v in cats if v['nll'] is not None))
+        cut = sum(t['n_truncated'] for t in r['tasks'].values())
+        print("domain_nll: " + ", ".join(f"{c} {v['nll']:.3f} nats/token" for c, v in cats if v['nll'] is not None)
+              + (f" ({cut:,} examples cut to the model's context, their start dropped)" if cut else ''))
 
 
 def write_json(results, path):

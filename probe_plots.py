@@ -109,9 +109,10 @@ def plot_late_pairs(results):
     fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(rs), 3.6))
     names, w = ['R_causal', 'R_perm'], 0.8 / len(rs)
     for k, r in enumerate(rs):
-        vals = [100 * (r['late_pairs'][n] or 0) for n in names]
-        bars = ax.bar(np.arange(2) + (k - (len(rs) - 1) / 2) * w, vals, w, label=r['label'])
-        ax.bar_label(bars, fmt='%.1f', fontsize=7)
+        vals = [r['late_pairs'][n] for n in names]               # None: not measured (n/a), not 0
+        bars = ax.bar(np.arange(2) + (k - (len(rs) - 1) / 2) * w, [100 * (v or 0) for v in vals], w,
+                      label=r['label'])
+        ax.bar_label(bars, labels=['n/a' if v is None else f"{100 * v:.1f}" for v in vals], fontsize=7)
     lp = rs[0]['late_pairs']
     ax.set_xticks(range(2), [f"R_causal (C > {lp['causal_threshold']})", f"R_perm (P > {lp['perm_threshold']})"])
     ax.set(ylabel='% of late pairs', title='late-layer interdependence')

@@ -479,8 +479,8 @@ def test_cli_end_to_end_writes_json_and_figures(tmp_path, capsys):
     val = write_val(tmp_path / 'data' / 'val.bin', vocab=257)
     (val.parent / 'meta.json').write_text(json.dumps({'tokenizer': 'byte'}))
     write_arc(tmp_path / 'evals')
-    (tmp_path / 'evals' / 'gsm8k.jsonl').write_text(json.dumps(
-        {'task': 'gsm8k', 'id': 'g1', 'prompt': 'Question: 1+1?\nAnswer:', 'answer': ' 2\n#### 2'}) + '\n')
+    (tmp_path / 'evals' / 'gsm8k.jsonl').write_text(json.dumps(  # 40 bytes: longer than the 32-token context
+        {'task': 'gsm8k', 'id': 'g1', 'prompt': 'Question: what is 1+1?\nAnswer:', 'answer': ' 2\n#### 2'}) + '\n')
     ckpt = make_run(tmp_path, 'attnres')
     common = [f'--val_bin={val}', f'--eval_dir={tmp_path / "evals"}', '--n_windows=2', '--seq_len=16',
               '--device=cpu', '--n_boot=20']
@@ -497,12 +497,22 @@ def test_cli_end_to_end_writes_json_and_figures(tmp_path, capsys):
         assert (out / f'{name}.png').stat().st_size > 1000, name
     text = capsys.readouterr().out
     assert 'skipping propagation' in text and 'R_causal' in text
+    cut = data['domain_nll']['tasks']['gsm8k']['n_truncated']
+    assert cut == 1 and "1 examples cut to the model's context" in text
     with pytest.raises(SystemExit) as e:
         probe.main([f'--ckpt={ckpt}', '--metrics=angular,bogus'] + common)
     assert e.value.code == 1 and 'bogus' in capsys.readouterr().err
     with pytest.raises(SystemExit):
         probe.main([f'--ckpt={tmp_path / "missing.pt"}'] + common)
     assert 'not found' in capsys.readouterr().err
+
+
+def test_late_pairs_figure_labels_a_missing_ratio_na_not_zero():
+    import probe_plots
+    r = {'label': 'a', 'late_pairs': {'R_causal': 0.25, 'R_perm': None, 'causal_threshold': 0.1,
+                                      'perm_threshold': 0.1, 'start': 2, 'n_pairs': 3}}
+    fig = probe_plots.plot_late_pairs([r])
+    assert [t.get_text() for t in fig.axes[0].texts] == ['25.0', 'n/a']
 
 
 def test_cli_keeps_finished_metrics_and_checks_the_vocabulary(tmp_path, monkeypatch, capsys):
