@@ -471,9 +471,15 @@ def format_table(family):
 
 
 if __name__ == '__main__':
+    usage = ("usage: python families.py [--check]\n  prints every family's shapes and parameter counts and "
+             "writes their config files under config/;\n  --check writes nothing and fails if a config file "
+             "is out of sync with this file")
+    if {'-h', '--help'} & set(sys.argv[1:]):
+        print(usage)
+        sys.exit(0)
     check = '--check' in sys.argv[1:]
     if set(sys.argv[1:]) - {'--check'}:
-        sys.exit(f"usage: python families.py [--check]   (unknown argument: {' '.join(sys.argv[1:])})")
+        sys.exit(f"{usage.splitlines()[0]}   (unknown argument: {' '.join(set(sys.argv[1:]) - {'--check'})})")
     for family in FAMILIES:
         print(format_table(family), end="\n\n")
     changed = write_configs(check=check)

@@ -270,3 +270,13 @@ def test_config_file_matches_its_run():
     text = (REPO / 'config' / 'attnres_L32.py').read_text()
     assert "16 x 32 = 512 sequences x 2048 tokens = 1,048,576 tokens per step" in text
     assert "399,358,848" in text and "python families.py" in text
+
+
+def test_help_prints_usage_and_writes_nothing():
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, 'families.py', '--help'], cwd=repo, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith('usage: python families.py [--check]')
+    assert 'wrote' not in r.stdout and 'unknown' not in r.stdout + r.stderr
