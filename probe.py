@@ -765,7 +765,8 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     print(f"{label}: {cfg.residual}, L={L}, d={cfg.n_embd}, {model.num_params():,} parameters, "
           f"iter {ckpt.get('iter_num', '?')}, tokenizer {tok_name}, device {args.device}")
     out = {'label': label, 'ckpt': str(ckpt_path), 'scheme': cfg.residual, 'n_layer': L, 'n_embd': cfg.n_embd,
-           'iter_num': ckpt.get('iter_num'), 'tokenizer': tok_name, 'val_bin': val_bin, 'settings': {}, 'skipped': {}}
+           'iter_num': ckpt.get('iter_num'), 'tokenizer': tok_name, 'val_bin': val_bin, 'dtype': args.dtype,
+           'settings': {}, 'skipped': {}}
     keys = trace_keys(model)
     amp = (torch.autocast('cuda', dtype=torch.bfloat16) if args.dtype == 'bfloat16'
            else contextlib.nullcontext())  # the study runs bf16 on GPU; metrics are fp32 either way
@@ -949,6 +950,8 @@ def main(argv=None):
         args.dtype = args.dtype or ('bfloat16' if str(args.device).startswith('cuda') else 'float32')
         if args.device.startswith('cuda') and not torch.cuda.is_available():
             raise ValueError(f"--device={args.device} but CUDA is not available; use --device=cpu")
+        if args.dtype == 'bfloat16' and not args.device.startswith('cuda'):
+            raise ValueError(f"--dtype=bfloat16 autocast is for CUDA only; on {args.device} use --dtype=float32")
         for name in ('n_windows', 'seq_len', 'batch_size', 'eval_batch_size', 'n_boot'):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")

@@ -492,7 +492,7 @@ def test_cli_end_to_end_writes_json_and_figures(tmp_path, capsys):
     assert set(data['skipped']) == {'block_weights', 'propagation'} and res['tokenizer'] == 'byte'
     assert data['prune']['n'] == 3 and data['domain_nll']['tasks']['gsm8k']['n_examples'] == 1
     assert data['causal']['C'][0][0] is None
-    assert data['settings']['angular'] == {'n_windows': 2, 'seq_len': 16, 'seed': 42}
+    assert data['settings']['angular'] == {'n_windows': 2, 'seq_len': 16, 'seed': 42} and data['dtype'] == 'float32'
     for name in ('angular', 'causal', 'permutation', 'late_pairs', 'path_weights', 'prune', 'logit_lens', 'domain_nll'):
         assert (out / f'{name}.png').stat().st_size > 1000, name
     text = capsys.readouterr().out
@@ -505,6 +505,9 @@ def test_cli_end_to_end_writes_json_and_figures(tmp_path, capsys):
     with pytest.raises(SystemExit):
         probe.main([f'--ckpt={tmp_path / "missing.pt"}'] + common)
     assert 'not found' in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # bf16 autocast is CUDA-only: no silent fp32 fallback
+        probe.main([f'--ckpt={ckpt}', '--metrics=angular', '--dtype=bfloat16'] + common)
+    assert 'CUDA only' in capsys.readouterr().err
 
 
 def test_late_pairs_figure_labels_a_missing_ratio_na_not_zero():
