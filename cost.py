@@ -684,7 +684,9 @@ def main(argv=None):
         return 1
     convention = (f"T={args.seq_len}, attention {args.attention} "
                   f"({'2' if args.attention == 'causal' else '4'}T²d), LM head on "
-                  f"{'the last position' if args.logits == 'last' else 'all positions'}, KV bf16 for one sequence")
+                  f"{'the last position' if args.logits == 'last' else 'all positions'}, KV bf16 for one sequence"
+                  + (f"; measured: {args.device}, "
+                     f"{args.dtype or ('bfloat16' if str(args.device).startswith('cuda') else 'float32')}, batch {args.batch}" if args.measure else ''))
     print(f"cost of depth, family {args.family}: {convention}")
     print(format_table(rows))
     print(f"\nprefill TFLOPs per sequence by shape ({convention}):")
