@@ -350,8 +350,14 @@ if checkpoint is not None:
     if device_type == 'cuda' and 'cuda' in checkpoint['rng']:
         torch.cuda.set_rng_state(checkpoint['rng']['cuda'])
     print0(f"resumed from {ckpt_path} at iteration {iter_num}")
+    if iter_num >= max_iters and not eval_only:
+        fail(f"the checkpoint is at iteration {iter_num}, max_iters={max_iters}: "
+             + ("the run is finished" if iter_num == max_iters else "max_iters is behind it")
+             + "; raise --max_iters to train on")
+    evaluated = checkpoint.get('evaluated', True)
     checkpoint = None  # free memory
-resumed_at = iter_num if init_from == 'resume' else None  # no second evaluation of the same state
+# no second evaluation of a state the checkpoint's run already evaluated
+resumed_at = iter_num if init_from == 'resume' and evaluated else None
 
 if compile:
     print0("compiling the model (a minute or more; HC/mHC several on a CPU, Full AttnRes more at large L)...")
@@ -405,11 +411,12 @@ def full_state(what):
     return raw_model.state_dict() if what == 'model' else optimizer.state_dict()
 
 
-def save_checkpoint(path):
+def save_checkpoint(path, evaluated=True):
     """Everything needed to continue exactly: weights (of the uncompiled module, so no
     `_orig_mod.` prefixes), optimizer, model and run config, iteration, data-loader
-    position and RNG states. Written to a temp file and renamed: a crash mid-write never
-    leaves a truncated checkpoint behind."""
+    position and RNG states, and whether the state at this iteration has been evaluated
+    (a resume then skips that evaluation). Written to a temp file and renamed: a crash
+    mid-write never leaves a truncated checkpoint behind."""
     model_state, opt_state = full_state('model'), full_state('optimizer')  # collective under FSDP
     if not master:
         return
@@ -418,7 +425,7 @@ def save_checkpoint(path):
         rng['cuda'] = torch.cuda.get_rng_state()
     ckpt = {'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config),
             'config': config, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
-            'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict()}
+            'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated}
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     tmp = path + '.tmp'
     torch.save(ckpt, tmp)
@@ -445,6 +452,14 @@ def block_stats(x):
     return {'block_grad_norm': grads, 'block_act_rms': rms}
 
 
+def _row_iter(line):
+    """The 'iter' of one metrics.jsonl line; None for a line cut off by a crash mid-write."""
+    try:
+        return json.loads(line)['iter']
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 metrics_file = None
 if master and not eval_only:
     os.makedirs(out_dir, exist_ok=True)
@@ -454,7 +469,7 @@ if master and not eval_only:
         # rows logged after the checkpoint belong to iterations this run repeats: drop them,
         # so each iteration has one row (written to a temp file and renamed: nothing lost on a crash)
         with open(metrics_path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line)['iter'] <= iter_num]
+            rows = [line for line in f if _row_iter(line) is not None and _row_iter(line) <= iter_num]
     with open(metrics_path + '.tmp', 'w') as f:
         f.writelines(rows)
     os.replace(metrics_path + '.tmp', metrics_path)
@@ -505,7 +520,7 @@ while True:
         group['lr'] = lr
 
     # evaluate and checkpoint (state *before* iteration iter_num; a resume starts here)
-    if (iter_num % eval_interval == 0 and iter_num != resumed_at) or iter_num == max_iters:
+    if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != resumed_at:
         val_loss = estimate_val_loss()
         best_val_loss = min(best_val_loss, val_loss)
         print0(f"iter {iter_num}: val loss {val_loss:.4f}")
@@ -565,7 +580,7 @@ while True:
                + depth + f" | eta {eta / 60:.1f}m")
         log_metrics(row)
     if stop_iter is not None and iter_num >= stop_iter and iter_num < max_iters:
-        save_checkpoint(ckpt_path)
+        save_checkpoint(ckpt_path, evaluated=False)  # a resume evaluates this state if it is due
         print0(f"stopped at iteration {iter_num} (stop_iter); continue with --init_from=resume")
         break
 

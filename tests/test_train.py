@@ -73,11 +73,11 @@ def test_thirty_iterations_lower_the_loss(residual, data_dir, tmp_path):
 def test_resume_is_bit_identical(data_dir, tmp_path):
     common = [*TINY, f'--data_dir={data_dir}', '--residual=attnres', '--max_iters=16', '--eval_interval=5']
     train(*common, f'--out_dir={tmp_path / "a"}')
-    train(*common, f'--out_dir={tmp_path / "b"}', '--stop_iter=7')
+    train(*common, f'--out_dir={tmp_path / "b"}', '--stop_iter=5')  # an evaluation is due at 5: after the resume
     assert not (tmp_path / 'b' / 'summary.json').exists()
-    assert max(i for i, _ in train_losses(tmp_path / 'b')) == 7
+    assert max(i for i, _ in train_losses(tmp_path / 'b')) == 5
     with open(tmp_path / 'b' / 'metrics.jsonl', 'a') as f:  # a row logged after the checkpoint, then a crash
-        f.write(json.dumps({'iter': 8, 'train_loss': 123.0}) + '\n')
+        f.write(json.dumps({'iter': 8, 'train_loss': 123.0}) + '\n{"iter": 9, "tok')  # ... mid-write
     train(*common, f'--out_dir={tmp_path / "b"}', '--init_from=resume')
     a, b = train_losses(tmp_path / 'a'), train_losses(tmp_path / 'b')
     assert a == b  # exact float equality, every iteration
@@ -130,6 +130,8 @@ def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
     one_line_error(train(*resume, '--n_layer=3', check=False), "n_layer=3 differs from the checkpoint's 2")
     r = train(*resume, '--max_iters=3')  # allowed, with a note: the schedule changes
     assert "note: max_iters=3 differs from the checkpoint's run (2)" in r.stdout
+    one_line_error(train(*resume, '--max_iters=3', check=False), 'the run is finished')  # no repeated final eval
+    one_line_error(train(*resume, '--max_iters=2', check=False), 'max_iters is behind it')  # never ended before
     data = (out / 'ckpt.pt').read_bytes()
     (out / 'ckpt.pt').write_bytes(data[:len(data) // 2])
     one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', check=False),
