@@ -541,7 +541,8 @@ def main(argv=None):
     nt, n_step = torch.get_num_threads(), steps_per_round(o.steps, o.rounds)
     print(f"bench: {', '.join(names)} + plain on {dev} ({dt}, compile={o.compile}, {nt} "
           f"CPU thread{'s' if nt != 1 else ''}), L={o.n_layer} d={o.n_embd} T={o.block_size} B={o.batch_size} V={o.vocab_size}, "
-          f"{o.rounds} rounds of {n_step} timed step{'s' if n_step != 1 else ''}, {o.warmup} warm-up")
+          + (f"{o.rounds} rounds of {n_step} timed step{'s' if n_step != 1 else ''}, {o.warmup} warm-up"
+             if n_step else "memory only (steps=0)"))
     rows = run(names, cfg_kw, dev, dt, o.compile, o.steps, o.warmup, o.rounds, o.hc_package, o.learning_rate, o.seed)
     print(format_table(rows, dev.type))
     if dev.type != 'cuda':

@@ -163,6 +163,11 @@ except RuntimeError:
 device_type = 'cuda' if device.startswith('cuda') else device.split(':')[0]
 if device_type == 'cuda' and not torch.cuda.is_available():
     fail(f"device={device!r} but CUDA is not available here: use --device=cpu")
+try:  # e.g. mps on a build without it, or meta (no data)
+    torch.zeros(1, device=device).item()
+except (RuntimeError, AssertionError, NotImplementedError) as e:
+    why = str(e).splitlines()[0]
+    fail(f"device={device!r} cannot run here ({why if len(why) < 100 else why[:97] + '...'}): use --device=cpu")
 if dtype is None:
     dtype = 'bfloat16' if device_type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
 if dtype not in ('float32', 'bfloat16', 'float16'):

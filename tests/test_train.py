@@ -153,7 +153,8 @@ def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
                                         ('--stop_iter=abc', "stop_iter='abc' must be an int"),
                                         ('--learning_rate=fast', "learning_rate='fast' must be a float"),
                                         ('--vocab_size=abc', "vocab_size='abc' must be an int"),
-                                        ('--device=gpu', "device='gpu' is not a torch device")])
+                                        ('--device=gpu', "device='gpu' is not a torch device"),
+                                        ('--device=meta', "device='meta' cannot run here")])
 def test_out_of_range_settings_give_one_line_errors(arg, expect, data_dir, tmp_path):
     """Values that would crash later, or never stop (a negative max_iters), are refused up front."""
     one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path}', arg, check=False), expect)
