@@ -964,6 +964,11 @@ def main(argv=None):
         if args.label:
             raise ValueError("--label names the model of --ckpt; under --compare each model is named by "
                              "its run directory (and file name)")
+        labels = [json.loads(Path(p).read_text())['label'] if p.endswith('.json') and Path(p).is_file()
+                  else default_label(p) for p in args.compare]
+        if len(set(labels)) < len(labels):  # compare.json is keyed by label: one would hide the other
+            raise ValueError(f"two models share a label in {labels} (a label is the run directory's name, plus "
+                             f"the file name for a file other than ckpt.pt): compare runs with distinct names")
         import probe_plots
         all_results = []
         for path in args.compare:
@@ -974,10 +979,6 @@ def main(argv=None):
                 r = probe_checkpoint(path, metrics, args, json_path=default_probe_dir(path) / 'probe.json')
                 write_results(r, default_probe_dir(path))
                 all_results.append(r)
-        labels = [r['label'] for r in all_results]
-        if len(set(labels)) < len(labels):  # compare.json is keyed by label: one would hide the other
-            raise ValueError(f"two models share a label in {labels}; compare checkpoints of different runs "
-                             f"(each model's own probe.json is written)")
         out_dir = Path(args.out_dir or 'out/probe_compare')
         out_dir.mkdir(parents=True, exist_ok=True)
         with open(out_dir / 'compare.json', 'w') as f:

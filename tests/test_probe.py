@@ -546,6 +546,7 @@ def test_cli_keeps_finished_metrics_and_checks_the_vocabulary(tmp_path, monkeypa
     other.write_bytes(ckpt.read_bytes())
     assert probe.default_label(other) == 'preln/ckpt_copy' and probe.default_label(ckpt) == 'preln'
     assert probe.default_probe_dir(other) == other.parent / 'probe_ckpt_copy'
+    monkeypatch.setattr(probe, 'probe_checkpoint', crash)           # refused before any model is probed
     with pytest.raises(SystemExit):
         probe.main(['--compare', str(ckpt), str(ckpt), '--metrics=angular'] + common)
     assert 'share a label' in capsys.readouterr().err
