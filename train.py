@@ -298,6 +298,10 @@ else:
 if model_args['vocab_size'] < meta.get('vocab_size', 0):  # token ids past the embedding: an IndexError mid-run
     fail(f"the model's vocab_size={model_args['vocab_size']} is smaller than the data's ({meta['vocab_size']}, "
          f"{meta_path}): use the data the model was made for, or a vocab_size >= {meta['vocab_size']}")
+_max_id = int(np.memmap(val_path, dtype=np.uint16, mode='r').max())  # the held-out split is small: a cheap check
+if _max_id >= model_args['vocab_size']:  # (without meta.json, the only one)
+    fail(f"{val_path} holds token id {_max_id}, past the model's vocab_size={model_args['vocab_size']}: "
+         f"use the data the model was made for, or a larger vocab_size")
 try:
     model = GPT(GPTConfig(**model_args))
 except ValueError as e:

@@ -124,6 +124,11 @@ def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
     one_line_error(train('--device=cpu', '--dtype=float16', f'--data_dir={data_dir}', check=False), 'float32')
     one_line_error(train(*TINY, f'--data_dir={data_dir}', '--vocab_size=100', check=False),
                    'vocab_size=100 is smaller than the data', '257')
+    bare = tmp_path / 'bare'                                    # no meta.json: the held-out ids are checked
+    bare.mkdir()
+    for f in ('train.bin', 'val.bin'):
+        (bare / f).write_bytes((data_dir / f).read_bytes())
+    one_line_error(train(*TINY, f'--data_dir={bare}', '--vocab_size=100', check=False), "past the model's vocab_size=100")
     out = tmp_path / 'trunc'
     train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=1')
     resume = [*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--init_from=resume']
