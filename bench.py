@@ -508,7 +508,8 @@ def main(argv=None):
             and isinstance(v, (int, float, bool, str, type(None)))]
     c = {k: globals()[k] for k in keys}
     try:
-        configure(c, keys, sys.argv[1:] if argv is None else argv, help_text=comments_from_source(__file__))
+        configure(c, keys, sys.argv[1:] if argv is None else argv, help_text=comments_from_source(__file__),
+                  none_types={'n_kv_head': int, 'dtype': str})
         o = types.SimpleNamespace(**c)
         names = list(RESIDUALS) if o.schemes == 'all' else [s.strip() for s in o.schemes.split(',') if s.strip()]
         unknown = [s for s in names if s not in RESIDUALS]

@@ -34,9 +34,16 @@ def _close(key, keys):
     return f" (did you mean {', '.join(matches)}?)" if matches else ""
 
 
-def _check_type(key, value, current, where):
-    """Return `value` converted to the type of `current`, or raise ConfigError."""
-    if current is None:  # a None default accepts anything
+def _check_type(key, value, current, where, declared=None):
+    """Return `value` converted to the type of `current`, or raise ConfigError. `declared`:
+    the type of a key whose default is None (None itself stays allowed); without it a None
+    default accepts anything."""
+    default = current
+    if declared is not None:
+        if value is None:
+            return value
+        current = declared()  # a stand-in of the declared type: False, 0, 0.0 or ''
+    if current is None:
         return value
     if isinstance(current, bool):  # checked before int: bool is a subclass of int
         if isinstance(value, str) and value.lower() in ('true', 'false'):
@@ -47,11 +54,11 @@ def _check_type(key, value, current, where):
         return float(value)  # --learning_rate=1 means 1.0
     elif type(value) is type(current):
         return value
-    raise ConfigError(f"{where}: {key} expects {type(current).__name__} (default {current!r}), "
+    raise ConfigError(f"{where}: {key} expects {type(current).__name__} (default {default!r}), "
                       f"got {value!r} ({type(value).__name__})")
 
 
-def _run_config_file(path, g, keys):
+def _run_config_file(path, g, keys, none_types):
     """Execute a config file; return {key: value} for the declared keys it changed."""
     if not os.path.isfile(path):
         hint = f"; to override a key write --{path}" if '=' in path else ""
@@ -72,11 +79,11 @@ def _run_config_file(path, g, keys):
             raise ConfigError(f"{path}: unknown config key {name!r}{_close(name, keys)}; "
                               f"prefix helper variables with _")
         if (type(value), value) != (type(before[name]), before[name]):
-            changed[name] = _check_type(name, value, g[name], path)
+            changed[name] = _check_type(name, value, g[name], path, none_types.get(name))
     return changed
 
 
-def _parse_override(arg, g, keys):
+def _parse_override(arg, g, keys, none_types):
     """Parse one '--key=value' argument into (key, value)."""
     key, raw = arg[2:].split('=', 1)
     if key not in keys:
@@ -85,9 +92,9 @@ def _parse_override(arg, g, keys):
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         value = raw  # a bare word such as --device=cpu
-    if isinstance(g[key], str) and not isinstance(value, str):
+    if (isinstance(g[key], str) or none_types.get(key) is str) and not isinstance(value, str):
         value = raw  # a str key keeps the literal text: --run_name=2024 is '2024'
-    return key, _check_type(key, value, g[key], arg)
+    return key, _check_type(key, value, g[key], arg, none_types.get(key))
 
 
 def print_help(g, keys, help_text=None):
@@ -102,20 +109,22 @@ def print_help(g, keys, help_text=None):
         print(f"  {line:<{width}}  # {comment}" if comment else f"  {line}")
 
 
-def configure(g, keys, argv, help_text=None):
+def configure(g, keys, argv, help_text=None, none_types=None):
     """
     Apply config files and --key=value overrides to the dict `g` (train.py's globals()).
 
     g: the namespace to update; keys: the declared config keys (each must be in g);
-    argv: sys.argv[1:]; help_text: key -> one-line description, shown by -h/--help.
+    argv: sys.argv[1:]; help_text: key -> one-line description, shown by -h/--help;
+    none_types: key -> type (int, float, bool or str) of a key whose default is None.
     Positional arguments are config files, executed in order; then every --key=value
     is parsed with ast.literal_eval (falling back to the raw string). Values must have
     the type of the key's current value (int accepted for float, 'true'/'false' for
-    bool, anything for a None default). Returns the keys set, in order of first change.
+    bool; for a None default, its type in `none_types`, or else anything). Returns the
+    keys set, in order of first change.
     Raises ConfigError (a ValueError) on unknown keys, wrong types, missing files,
     '--key value'; raises SystemExit(0) after printing the help for -h/--help.
     """
-    keys = list(keys)
+    keys, none_types = list(keys), none_types or {}
     for k in keys:
         assert k in g, f"declared config key {k!r} is not in the namespace"
     if '-h' in argv or '--help' in argv:
@@ -128,11 +137,11 @@ def configure(g, keys, argv, help_text=None):
             raise ConfigError(f"{arg}: write overrides as --key=value (one argument, no space)")
     changed = []
     for path in files:
-        for key, value in _run_config_file(path, g, keys).items():
+        for key, value in _run_config_file(path, g, keys, none_types).items():
             g[key] = value
             changed.append(key)
     for arg in overrides:
-        key, value = _parse_override(arg, g, keys)
+        key, value = _parse_override(arg, g, keys, none_types)
         g[key] = value
         changed.append(key)
     changed = list(dict.fromkeys(changed))  # one entry per key, first-change order

@@ -90,8 +90,13 @@ backend = None  # torch.distributed backend; None = nccl on CUDA, gloo on CPU
 seed = 1337
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
+# the types of the keys whose default is None (the others keep their default's type)
+none_default_types = {'stop_iter': int, 'max_iters': int, 'warmup_iters': int, 'n_kv_head': int, 'ffn_hidden': int,
+                      'vocab_size': int, 'learning_rate': float, 'data_dir': str, 'dtype': str, 'compile': bool,
+                      'backend': str}
 try:
-    keys_set = configure(globals(), config_keys, sys.argv[1:], help_text=comments_from_source(__file__))
+    keys_set = configure(globals(), config_keys, sys.argv[1:], help_text=comments_from_source(__file__),
+                         none_types=none_default_types)
 except ConfigError as e:
     sys.exit(f"error: {e}")
 config = {k: globals()[k] for k in config_keys}  # saved in checkpoints and summary.json
@@ -102,23 +107,8 @@ def fail(msg):
     sys.exit(f"error: {msg}")
 
 
-# the types of the keys whose default is None (the configurator checks the others against
-# their defaults' types), then the ranges the script relies on: a bad value is one line
-# here, not a traceback (or an endless run) later. None keeps its documented meaning.
-NONE_DEFAULT_TYPES = {'stop_iter': int, 'max_iters': int, 'warmup_iters': int, 'n_kv_head': int,
-                      'ffn_hidden': int, 'vocab_size': int, 'learning_rate': float, 'data_dir': str,
-                      'dtype': str, 'compile': bool, 'backend': str}
-def _has_type(v, t):
-    """isinstance, except that True/False are not ints or floats here; an int passes as a float."""
-    if t is bool:
-        return isinstance(v, bool)
-    return isinstance(v, (int, float) if t is float else t) and not isinstance(v, bool)
-
-
-for _key, _type in NONE_DEFAULT_TYPES.items():
-    _v = globals()[_key]
-    if _v is not None and not _has_type(_v, _type):
-        fail(f"{_key}={_v!r} must be {'an' if _type is int else 'a'} {_type.__name__} (or None)")
+# the ranges the script relies on: a bad value is one line here, not a traceback (or an
+# endless run) later. None keeps its documented meaning.
 RANGES = {  # key -> (lowest allowed value, whether the lowest value itself is allowed)
     'eval_interval': (1, True), 'log_interval': (1, True), 'eval_iters': (1, True),
     'gradient_accumulation_steps': (1, True), 'batch_size': (1, True), 'block_size': (1, True),
@@ -129,11 +119,7 @@ RANGES = {  # key -> (lowest allowed value, whether the lowest value itself is a
 for _key, (_low, _inclusive) in RANGES.items():
     _v = globals()[_key]
     if _v is not None and (_v < _low or (_v == _low and not _inclusive)):
-        fail(f"{_key}={_v} must be {'>=' if _inclusive else '>'} {_low}")
-# settings a resumed run may change, though it then no longer continues the run exactly
-SCHEDULE_KEYS = ('max_iters', 'learning_rate', 'tokens_per_param', 'warmup_iters', 'warmup_frac', 'min_lr_frac',
-                 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'batch_size', 'gradient_accumulation_steps',
-                 'seed', 'dataset')
+        fail(f"{_key}={_v:g} must be {'>=' if _inclusive else '>'} {_low}")
 for _key in ('warmup_frac', 'min_lr_frac'):
     if globals()[_key] > 1:
         fail(f"{_key}={globals()[_key]} is a fraction: give a value in [0, 1]")
@@ -260,6 +246,10 @@ if vocab_size is None:
 # model, optimizer, resume
 
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+# settings a resumed run may change, though it then no longer continues the run exactly
+SCHEDULE_KEYS = ('max_iters', 'learning_rate', 'tokens_per_param', 'warmup_iters', 'warmup_frac', 'min_lr_frac',
+                 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'batch_size', 'gradient_accumulation_steps',
+                 'seed', 'dataset')
 checkpoint = None
 if init_from == 'resume':
     if not os.path.exists(ckpt_path):
@@ -478,7 +468,7 @@ if master and not eval_only:
         # rows logged after the checkpoint belong to iterations this run repeats: drop them,
         # so each iteration has one row (written to a temp file and renamed: nothing lost on a crash)
         with open(metrics_path) as f:
-            rows = [line for line in f if _row_iter(line) is not None and _row_iter(line) <= iter_num]
+            rows = [line for line in f if (it := _row_iter(line)) is not None and it <= iter_num]
     with open(metrics_path + '.tmp', 'w') as f:
         f.writelines(rows)
     os.replace(metrics_path + '.tmp', metrics_path)
@@ -507,7 +497,6 @@ if eval_only:
                                                     if init_from == 'scratch' else ''))
     shutdown()
     sys.exit(0)
-
 
 
 def on_interrupt(signum, frame):

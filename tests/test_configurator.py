@@ -69,6 +69,25 @@ def test_none_default_accepts_anything():
     assert g['init_from'] == 'resume'
 
 
+def test_none_default_with_a_declared_type(tmp_path):
+    g = fresh()
+    configure(g, KEYS, ['--init_from=2', '--init_from=None'], none_types={'init_from': int})
+    assert g['init_from'] is None                                    # None stays allowed
+    for arg in ('--init_from=3.5', '--init_from=True', '--init_from=resume'):
+        with pytest.raises(ConfigError, match=r'init_from expects int \(default None\)'):
+            configure(fresh(), KEYS, [arg], none_types={'init_from': int})
+    cfg = tmp_path / 'c.py'
+    cfg.write_text('init_from = 2_000_000 / 4096\n')                 # a float from a config file
+    with pytest.raises(ConfigError, match='expects int'):
+        configure(fresh(), KEYS, [str(cfg)], none_types={'init_from': int})
+    g = fresh()
+    configure(g, KEYS, ['--init_from=7'], none_types={'init_from': float})  # an int passes as a float
+    assert g['init_from'] == 7.0 and isinstance(g['init_from'], float)
+    g = fresh()
+    configure(g, KEYS, ['--init_from=2024'], none_types={'init_from': str})  # a str key keeps the text
+    assert g['init_from'] == '2024'
+
+
 @pytest.mark.parametrize('arg, words', [
     ('--n_layer=3.5', ['n_layer', 'int', '3.5']),
     ('--compile=1', ['compile', 'bool', '1']),

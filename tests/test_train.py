@@ -154,10 +154,10 @@ def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
                                         ('--eval_iters=0', 'eval_iters=0 must be >= 1'),
                                         ('--learning_rate=-1', 'learning_rate=-1 must be > 0'),
                                         ('--min_lr_frac=1.5', 'fraction'),
-                                        ('--max_iters=3.5', 'max_iters=3.5 must be an int'),  # ran forever
-                                        ('--stop_iter=abc', "stop_iter='abc' must be an int"),
-                                        ('--learning_rate=fast', "learning_rate='fast' must be a float"),
-                                        ('--vocab_size=abc', "vocab_size='abc' must be an int"),
+                                        ('--max_iters=3.5', 'max_iters expects int (default None), got 3.5'),  # ran forever
+                                        ('--stop_iter=abc', "stop_iter expects int (default None), got 'abc'"),
+                                        ('--learning_rate=fast', "learning_rate expects float (default None), got 'fast'"),
+                                        ('--vocab_size=abc', "vocab_size expects int (default None), got 'abc'"),
                                         ('--device=gpu', "device='gpu' is not a torch device"),
                                         ('--device=meta', "device='meta' cannot run here")])
 def test_out_of_range_settings_give_one_line_errors(arg, expect, data_dir, tmp_path):
