@@ -685,8 +685,8 @@ def main(argv=None):
     convention = (f"T={args.seq_len}, attention {args.attention} "
                   f"({'2' if args.attention == 'causal' else '4'}T²d), LM head on "
                   f"{'the last position' if args.logits == 'last' else 'all positions'}, KV bf16 for one sequence"
-                  + (f"; measured: {args.device}, "
-                     f"{args.dtype or ('bfloat16' if str(args.device).startswith('cuda') else 'float32')}, batch {args.batch}" if args.measure else ''))
+                  + (f"; measured: {rows[0]['device']}, {rows[0]['dtype']}, batch {rows[0]['batch']}"
+                     if args.measure and rows else ''))  # as measure_prefill resolved them
     print(f"cost of depth, family {args.family}: {convention}")
     print(format_table(rows))
     print(f"\nprefill TFLOPs per sequence by shape ({convention}):")

@@ -975,7 +975,6 @@ def main(argv=None):
             if path.endswith('.json'):
                 all_results.append(load_results(path))
             else:
-                args.label = None
                 r = probe_checkpoint(path, metrics, args, json_path=default_probe_dir(path) / 'probe.json')
                 write_results(r, default_probe_dir(path))
                 all_results.append(r)
