@@ -56,6 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cost
+from cost import saved_activation_bytes  # noqa: F401  (bench.saved_activation_bytes, as before)
 from configurator import ConfigError, comments_from_source, configure
 from model import GPT, GPTConfig, estimate_mfu
 from residuals import RESIDUALS
@@ -83,6 +84,10 @@ learning_rate = 3e-4  # AdamW learning rate of the timed steps (does not affect 
 threads = 0  # torch CPU threads; 0 = torch's default (one per core). 1 is steadier on a shared machine
 seed = 1337
 out = 'out/bench.json'  # results as JSON; '' = do not write
+suite = 'bench'  # 'bench': the timing table above; 'compile': cold compile time vs depth; 'gpu': the one-call GPU check
+compile_layers = '4,8,16,32'  # --suite=compile: the depths L to compile each scheme at
+compile_schemes = 'preln,attnres,blockattnres,hc,mhc,moda'  # --suite=compile: schemes, each at every depth
+compile_steps = 5  # --suite=compile: timed compiled training steps after the first (compiling) one
 
 # Time budget per scheme against Pre-LN: HC/mHC (m streams) and (Block) AttnRes (depth
 # attention over all earlier sublayers) have flat bounds; every other scheme, MoDA included,
@@ -214,26 +219,6 @@ def plain_state_dict(gpt_state):
 
 # -----------------------------------------------------------------------------
 # measurements
-
-
-def saved_activation_bytes(model, idx, targets, ctx=nullcontext()):
-    """Bytes autograd keeps for backward after one forward pass of `model(idx, targets)`:
-    the sum of nbytes of the unique storages of the saved tensors, parameters and buffers
-    excluded. A deterministic proxy of training activation memory on any device (views
-    of one storage count once, so tensors that are alive anyway count once too)."""
-    own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-        _, loss = model(idx, targets)
-    del loss
-    return sum(seen.values())
 
 
 def flop_ratio(cfg, seq_len):
@@ -500,6 +485,130 @@ def environment(dev):
     return env
 
 
+# -----------------------------------------------------------------------------
+# --suite=compile: cold compile time of the training step against depth
+
+
+def cpu_seconds():
+    """CPU seconds (user + system) of this process and of its finished children (the C++
+    compiler inductor runs): on a machine shared with other jobs, the compile cost that
+    wall-clock time would blur."""
+    import resource
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337):
+    """Compiles one training step (forward + backward + AdamW) of GPT(**cfg_kw) with
+    torch.compile and times it. Run in a fresh process with a fresh inductor cache
+    (`compile_suite` does) for a cold-cache number. Returns a dict: compile_s (wall seconds
+    of the first step), compile_cpu_s (CPU seconds of it, compiler children included),
+    step_ms (median of `steps` later steps), graphs, graph_breaks, recompiles (graphs
+    compiled after the first step)."""
+    from torch._dynamo.utils import counters
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype_name]
+    ctx = nullcontext() if dtype_name == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
+    torch.manual_seed(seed_)
+    cfg = GPTConfig(**cfg_kw)
+    model = GPT(cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == 'cuda')
+    fn = torch.compile(model)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), device=dev)
+
+    def step():
+        with ctx:
+            _, loss = fn(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    step()
+    sync(dev)
+    res = dict(compile_s=time.perf_counter() - t0, compile_cpu_s=cpu_seconds() - c0)
+    res['graphs'], res['graph_breaks'] = graph_counts()
+    times = []
+    for _ in range(max(steps, 1) + 1):  # one untimed step, then the timed ones
+        t0 = time.perf_counter()
+        loss = step()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    res['step_ms'] = statistics.median(times[1:]) * 1e3
+    res['recompiles'] = graph_counts()[0] - res['graphs']
+    res['loss_finite'] = bool(torch.isfinite(loss).item())
+    return res
+
+
+def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print):
+    """`compile_one` for every scheme at every depth, each in a fresh Python process with a
+    fresh, empty inductor cache (TORCHINDUCTOR_CACHE_DIR) and compiling in-process
+    (TORCHINDUCTOR_COMPILE_THREADS=1, so compile_cpu_s counts the compiler). Depth-major
+    order (every scheme at L = 4, then at 8, ...), so a run cut short still has whole rows.
+    Returns rows {scheme, n_layer, ...compile_one's dict, cpu_vs_preln, step_vs_preln}."""
+    import subprocess
+    import tempfile
+    rows = []
+    for L in layers:
+        ref = None
+        for name in schemes_:
+            kw = {**cfg_kw, 'n_layer': L, 'residual': name}
+            code = (f"import json, torch, bench; torch.set_num_threads({threads_ or 1}); "
+                    f"print('RESULT', json.dumps(bench.compile_one({kw!r}, {batch}, {dtype_name!r}, "
+                    f"torch.device({str(dev)!r}), {steps})))")
+            with tempfile.TemporaryDirectory(prefix='inductor_cold_') as cache:
+                env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1',
+                       'OMP_NUM_THREADS': str(threads_ or 1)}
+                p = subprocess.run([sys.executable, '-c', code], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                   env=env, capture_output=True, text=True)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith('RESULT ')]
+            if p.returncode or not lines:
+                raise RuntimeError(f"compiling {name} at L={L} failed:\n{p.stderr[-3000:]}")
+            row = dict(scheme=name, n_layer=L, **json.loads(lines[-1][len('RESULT '):]))
+            ref = row if name == 'preln' else ref
+            if ref is not None:
+                row['cpu_vs_preln'] = row['compile_cpu_s'] / ref['compile_cpu_s']
+                row['step_vs_preln'] = row['step_ms'] / ref['step_ms']
+            rows.append(row)
+            log(f"L={L:>3} {name:>13}: compile {row['compile_s']:7.1f} s wall, {row['compile_cpu_s']:7.1f} s CPU"
+                + (f" ({row['cpu_vs_preln']:.2f}x Pre-LN)" if 'cpu_vs_preln' in row else '')
+                + f", step {row['step_ms']:8.1f} ms" + (f" ({row['step_vs_preln']:.2f}x)" if 'step_vs_preln' in row else '')
+                + f", graphs {row['graphs']}, breaks {row['graph_breaks']}, recompiles {row['recompiles']}")
+    return rows
+
+
+def format_compile_table(rows):
+    """Markdown: CPU seconds to compile the training step, one row per scheme, one column
+    per depth, each 'seconds (x Pre-LN)', and the compiled step time x Pre-LN."""
+    layers = sorted({r['n_layer'] for r in rows})
+    names = list(dict.fromkeys(r['scheme'] for r in rows))
+    at = {(r['scheme'], r['n_layer']): r for r in rows}
+    head = '| scheme | ' + ' | '.join(f'L = {L}: compile CPU s (× Pre-LN) | step × Pre-LN' for L in layers) + ' |'
+    lines = [head, '|---|' + '---|---|' * len(layers)]
+    for n in names:
+        cells = []
+        for L in layers:
+            r = at.get((n, L))
+            if r is None:
+                cells += ['not measured', '–']
+                continue
+            ratio = f" ({r['cpu_vs_preln']:.2f}×)" if 'cpu_vs_preln' in r else ''
+            cells += [f"{r['compile_cpu_s']:.0f}{ratio}", f"{r['step_vs_preln']:.2f}" if 'step_vs_preln' in r else '–']
+        lines.append(f'| {n} | ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def write_json(path, obj):
+    """Writes obj as JSON atomically (temp file, fsync, rename)."""
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def main(argv=None):
     """Parses `--key=value` overrides of the config above (configurator.py), runs the
     benchmark, prints the table, writes `out`; returns the result rows. User errors exit
@@ -511,6 +620,15 @@ def main(argv=None):
         configure(c, keys, sys.argv[1:] if argv is None else argv, help_text=comments_from_source(__file__),
                   none_types={'n_kv_head': int, 'dtype': str})
         o = types.SimpleNamespace(**c)
+        if o.suite not in ('bench', 'compile', 'gpu'):
+            raise ValueError(f"suite={o.suite!r}: use 'bench', 'compile' or 'gpu'")
+        if o.suite == 'compile':
+            for v in o.compile_layers.split(','):
+                if not v.strip().isdigit() or int(v) < 1:
+                    raise ValueError(f"compile_layers={o.compile_layers!r}: give depths >= 1, e.g. 4,8,16,32")
+            bad = [s for s in o.compile_schemes.split(',') if s.strip() and s.strip() not in RESIDUALS]
+            if bad:
+                raise ValueError(f"unknown scheme(s) {', '.join(bad)} in compile_schemes; registered: {', '.join(RESIDUALS)}")
         names = list(RESIDUALS) if o.schemes == 'all' else [s.strip() for s in o.schemes.split(',') if s.strip()]
         unknown = [s for s in names if s not in RESIDUALS]
         if unknown:
@@ -539,6 +657,20 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if o.threads:
         torch.set_num_threads(o.threads)
+    if o.suite == 'compile':
+        layers = [int(v) for v in o.compile_layers.split(',') if v.strip()]
+        cnames = [s.strip() for s in o.compile_schemes.split(',') if s.strip()]
+        cnames = ['preln'] + [s for s in dict.fromkeys(cnames) if s != 'preln']
+        print(f"bench --suite=compile: {', '.join(cnames)} at L = {', '.join(map(str, layers))}, d={o.n_embd} "
+              f"T={o.block_size} B={o.batch_size} on {dev} ({dt}), cold inductor cache per compile")
+        ckw = {k: v for k, v in cfg_kw.items() if k != 'batch_size'}
+        rows = compile_suite(cnames, layers, ckw, o.batch_size, dt, dev, o.compile_steps, o.threads)
+        print(format_compile_table(rows))
+        if o.out:
+            write_json(o.out, dict(suite='compile', config=c, dtype=dt, environment=environment(dev), rows=rows,
+                                   table=format_compile_table(rows)))
+            print(f"wrote {o.out}")
+        return rows
     nt, n_step = torch.get_num_threads(), steps_per_round(o.steps, o.rounds)
     print(f"bench: {', '.join(names)} + plain on {dev} ({dt}, compile={o.compile}, {nt} "
           f"CPU thread{'s' if nt != 1 else ''}), L={o.n_layer} d={o.n_embd} T={o.block_size} B={o.batch_size} V={o.vocab_size}, "

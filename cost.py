@@ -33,6 +33,7 @@ elementwise work are not counted, as in the paper):
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -633,6 +634,127 @@ def plot(rows, path, losses=None, title=''):
     plt.close(fig)
 
 
+# -----------------------------------------------------------------------------
+# training memory: what fits, and the micro-batch that does (docs/gpu.md)
+
+def saved_activation_bytes(model, idx, targets, ctx=None):
+    """Bytes autograd keeps for backward after one forward pass of `model(idx, targets)`:
+    the sum of nbytes of the unique storages of the saved tensors, parameters and buffers
+    excluded (torch.autograd.graph.saved_tensors_hooks). Views of one storage count once,
+    so tensors that are alive anyway (a residual stream saved by two ops) count once too."""
+    own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx or contextlib.nullcontext():
+        _, loss = model(idx, targets)
+    del loss
+    return sum(seen.values())
+
+
+PROBE_TOKENS = 64  # sequence length of the one-sequence forward that measures saved bytes per token
+
+
+def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_tokens=PROBE_TOKENS, model=None):
+    """Predicted peak training memory (bytes) of GPTConfig `cfg` at micro-batch `batch` x
+    `seq_len` tokens, with fp32 weights and AdamW, as a dict:
+      params      4 N   (fp32 weights; autocast casts on the fly)
+      grads       4 N
+      adamw       8 N   (exp_avg, exp_avg_sq)
+      activations saved-for-backward bytes of one forward pass (`saved_activation_bytes`),
+                  measured on ONE sequence of min(probe_tokens, seq_len) tokens on `device`
+                  under `dtype` autocast and scaled by batch x seq_len / probe tokens: every
+                  scheme saves O(tokens) bytes (fused attention keeps no T x T scores), so
+                  the scaling is exact up to the few bytes that do not grow with tokens
+                  (tests/test_memory.py checks it for every scheme within 10%);
+      logits_grad 4 B T V (the fp32 gradient of the logits, alive with all activations at
+                  the start of the backward);
+      total       their sum: the peak, as the backward begins.
+    `model`: an existing GPT of this config on `device` to probe (none is built then).
+    Compiled models usually save less (inductor recomputes cheap ops): an upper bound there."""
+    n = param_count(cfg) if model is None else model.num_params()
+    T = min(probe_tokens, seq_len, cfg.block_size)
+    own = model is None
+    if own:
+        model = GPT(cfg).to(device)
+    dev = next(model.parameters()).device
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+    ctx = None if ptdtype == torch.float32 else torch.autocast(device_type=dev.type, dtype=ptdtype)
+    idx = torch.zeros(1, T, dtype=torch.long, device=dev)
+    probe = saved_activation_bytes(model, idx, idx, ctx)
+    if own:
+        del model
+    out = dict(params=4 * n, grads=4 * n, adamw=8 * n, activations=probe * batch * seq_len / T,
+               logits_grad=4 * batch * seq_len * cfg.vocab_size)
+    out['total'] = sum(out.values())
+    out['activations_per_token'] = probe / T
+    return out
+
+
+def auto_micro_batch(sequences, predict, budget):
+    """The largest micro-batch B dividing `sequences` (per process per optimizer step:
+    batch_size x gradient_accumulation_steps) with predict(B) <= budget bytes, and the
+    accumulation steps sequences / B that keep the global batch. Returns (B, steps).
+    Raises ValueError when even B = 1 does not fit."""
+    for b in sorted((b for b in range(1, sequences + 1) if sequences % b == 0), reverse=True):
+        if predict(b) <= budget:
+            return b, sequences // b
+    raise ValueError(f"even a micro-batch of 1 sequence needs {predict(1) / 2**30:.1f} GiB, more than the "
+                     f"{budget / 2**30:.1f} GiB available: use a smaller model, shorter block_size, or FSDP")
+
+
+def oom_message(cfg, batch, seq_len, accum):
+    """The one line train.py prints for an out-of-memory error: the config, its micro-batch
+    and the options that fix it."""
+    return (f"out of memory: {cfg.residual} L={cfg.n_layer} d={cfg.n_embd} at micro-batch {batch} x {seq_len} "
+            f"tokens (gradient_accumulation_steps={accum}); rerun with --auto_batch=True (the largest micro-batch "
+            f"that fits, same global batch), or halve --batch_size and double --gradient_accumulation_steps")
+
+
+def format_memory(mem, device_bytes=None):
+    """One line: the predicted peak and its parts in GiB, and the device's memory if given."""
+    g = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+    line = (f"predicted peak training memory {g(mem['total'])} GiB = weights {g(mem['params'])} + grads "
+            f"{g(mem['grads'])} + AdamW {g(mem['adamw'])} + activations {g(mem['activations'])} + logits grad "
+            f"{g(mem['logits_grad'])}")
+    return line + (f" (device: {g(device_bytes)} GiB)" if device_bytes else '')
+
+
+def memory_main(path, device='cpu', dtype='float32', budget_gib=None):
+    """cost.py --memory=CONFIG: prints the predicted peak of a train.py config file (its
+    model, batch_size, gradient_accumulation_steps and block_size; train.py's defaults for
+    what it leaves out, vocab 50280 unless it sets vocab_size) at its micro-batch, and with
+    budget_gib the micro-batch train.py --auto_batch=True would choose. Returns the dict."""
+    from dataclasses import fields
+    if not os.path.exists(path):
+        raise ValueError(f"config file {path} not found")
+    ns = dict(batch_size=8, block_size=1024, gradient_accumulation_steps=8, vocab_size=None)
+    exec(compile(open(path).read(), path, 'exec'), {}, ns)
+    names = {f.name for f in fields(GPTConfig)}
+    kw = {k: v for k, v in ns.items() if k in names and v is not None}
+    kw.setdefault('vocab_size', 50280)
+    cfg = GPTConfig(**kw)
+    B, T = ns['batch_size'], ns['block_size']
+    print(f"{path}: {cfg.residual} L={cfg.n_layer} d={cfg.n_embd}, micro-batch {B} x {T} tokens, "
+          f"{param_count(cfg):,} parameters; activations probed on {device} ({dtype})")
+    model = GPT(cfg).to(device)
+    mem = train_memory(cfg, B, T, device, dtype, model=model)
+    print(format_memory(mem))
+    if budget_gib:
+        fixed = mem['params'] + mem['grads'] + mem['adamw']
+        per_seq = (mem['activations'] + mem['logits_grad']) / B
+        b, acc = auto_micro_batch(B * ns['gradient_accumulation_steps'], lambda b: fixed + b * per_seq,
+                                  budget_gib * 2**30)
+        print(f"in {budget_gib:g} GiB: micro-batch {b}, gradient_accumulation_steps {acc} (global batch unchanged)")
+        mem['auto'] = (b, acc)
+    return mem
+
+
 def _parse_shapes(text):
     try:
         return [tuple(int(x) for x in s.lower().split('x')) for s in text.split(',') if s]
@@ -657,7 +779,18 @@ def main(argv=None):
     p.add_argument('--results', default=None,
                    help='results.json with val_loss (default: out/<family>/results.json if present)')
     p.add_argument('--out', default='out/cost', help='output folder for cost.json and cost.png')
+    p.add_argument('--memory', default=None, metavar='CONFIG',
+                   help='instead: the predicted peak training memory of a train.py config at its micro-batch')
+    p.add_argument('--budget_gib', type=float, default=None,
+                   help='with --memory: the micro-batch that fits this many GiB (as train.py --auto_batch=True)')
     args = p.parse_args(argv)
+    if args.memory:
+        try:
+            memory_main(args.memory, args.device, args.dtype or 'float32', args.budget_gib)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     try:
         schemes = [s for s in args.schemes.split(',') if s]
         known = STUDY_SCHEMES + EXTRA_SCHEMES

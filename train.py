@@ -55,6 +55,8 @@ dataset = 'fineweb_edu'  # reads data/<dataset>/train.bin, val.bin, meta.json
 data_dir = None  # a directory with train.bin/val.bin/meta.json to use instead of data/<dataset>
 gradient_accumulation_steps = 8  # micro-steps per optimizer step, over all processes
 batch_size = 8  # micro-batch size (sequences) per process
+auto_batch = False  # pick the largest micro-batch that fits (cost.train_memory) and raise gradient_accumulation_steps to keep the global batch
+memory_gib = None  # the memory auto_batch fills (90% of it); None = the CUDA device's total memory
 block_size = 1024  # sequence length T
 # model (DESIGN §3, §4)
 residual = 'preln'  # residual scheme, one of residuals.RESIDUALS
@@ -92,7 +94,7 @@ seed = 1337
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 # the types of the keys whose default is None (the others keep their default's type)
 none_default_types = {'stop_iter': int, 'max_iters': int, 'warmup_iters': int, 'n_kv_head': int, 'ffn_hidden': int,
-                      'vocab_size': int, 'learning_rate': float, 'data_dir': str, 'dtype': str, 'compile': bool,
+                      'vocab_size': int, 'memory_gib': float, 'learning_rate': float, 'data_dir': str, 'dtype': str, 'compile': bool,
                       'backend': str}
 try:
     keys_set = configure(globals(), config_keys, sys.argv[1:], help_text=comments_from_source(__file__),
@@ -302,6 +304,37 @@ model.to(device)
 raw_model = model  # the uncompiled, unwrapped module: what checkpoints and probes see
 n_params = model.num_params()
 
+if auto_batch or device_type == 'cuda':  # the predicted peak memory, and the micro-batch that fits it
+    import cost
+    device_bytes = memory_gib * 2**30 if memory_gib else \
+        torch.cuda.get_device_properties(device).total_memory if device_type == 'cuda' else None
+    mem = cost.train_memory(raw_model.config, batch_size, block_size, device, dtype, model=raw_model)
+    print0(cost.format_memory(mem, device_bytes))
+    if auto_batch:
+        if device_bytes is None or fsdp:
+            fail("auto_batch=True needs the device's memory (--memory_gib=... off CUDA) and no FSDP")
+        per_seq = (mem['activations'] + mem['logits_grad']) / batch_size
+        try:
+            batch_size, gradient_accumulation_steps = cost.auto_micro_batch(
+                batch_size * gradient_accumulation_steps, lambda b: mem['total'] + (b - batch_size) * per_seq,
+                0.9 * device_bytes)
+        except ValueError as e:
+            fail(str(e))
+        train_loader.B = batch_size
+        print0(f"auto_batch: micro-batch {batch_size}, gradient_accumulation_steps {gradient_accumulation_steps}")
+
+
+def oom_hook(kind, value, tb, default=sys.excepthook):
+    """An out-of-memory error anywhere: one line naming the config, the micro-batch and the fix."""
+    if issubclass(kind, torch.OutOfMemoryError):
+        import cost
+        print(f"error: {cost.oom_message(raw_model.config, batch_size, block_size, gradient_accumulation_steps)}",
+              file=sys.stderr)
+    else:
+        default(kind, value, tb)
+
+
+sys.excepthook = oom_hook
 if learning_rate is None:
     learning_rate = RESIDUALS[model.config.residual].peak_lr
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * block_size
