@@ -461,3 +461,27 @@ def test_attnres_init_and_eps(scheme):
             assert torch.equal(p, torch.ones_like(p))
     assert model.config.attnres_eps == STUDY_RMS_DEFAULT and model.config.norm_eps == EPS
     assert all(layer.mlp_mix.eps == STUDY_RMS_DEFAULT for layer in model.residual.layers)
+
+
+
+@pytest.mark.parametrize('scheme', ('hc', 'mhc', 'attnres'))
+@torch.no_grad()
+def test_logit_lens_decodes_depth_states_with_the_model_s_readout(scheme):
+    """Our LogitLens decodes every depth state with the scheme's own readout, so the last one
+    gives the study's logits (KL 0 at the last layer). The study's analysis/depth_probes.py
+    decodes HC/mHC states as lm_head(reduce(H)) with the head's norm: for mHC (mean) that is
+    the readout itself; for HC it differs (docs/fidelity.md), and we check by how much."""
+    model, idx = make(scheme), tokens()
+    randomise(model)
+    rec = []
+    model.hidden(idx, record=rec)
+    study = Study(study_weights(model), model.config)
+    assert (model.head(rec[-1][1]) - study.logits(scheme, idx)).abs().max().item() <= TOL
+    if scheme == 'attnres':  # decode_readout: RMSNorm with the head's gain and the mixer's eps
+        for _, lens in rec[1:]:
+            want = study.lm_head(rms(lens, study.w('lm_head.norm.weight'), STUDY_RMS_DEFAULT), skip_norm=True)
+            assert (model.head(lens) - want).abs().max().item() <= TOL
+    else:
+        for _, lens in rec[1:]:
+            gap = (model.head(lens) - study.lm_head(model.residual.reduce(lens))).abs().max().item()
+            assert gap <= TOL if scheme == 'mhc' else gap > 1e-2
