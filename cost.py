@@ -27,6 +27,9 @@ elementwise work are not counted, as in the paper):
     prefill holds; decoding keeps none of it (kv_cache_bytes(..., decode=True));
   - Block AttnRes: the table uses the paper's Appendix D source count; the model reads
     N - 1 = 7 sources fewer (blockattnres_sources, appendix_d=False);
+  - a scheme registered in residuals.RESIDUALS without closed forms here (one you
+    added) gets its parameters counted on its model and its ΔF measured with
+    FlopCounterMode against Pre-LN (counted_params, measured_extra_flops);
   - measured prefill: blocks on all T tokens, LM head on the last position, median of
     synchronised passes; peak memory = CUDA max_memory_allocated, or on the CPU the
     peak RSS of a fresh subprocess per config above its RSS before the model was built.
