@@ -32,6 +32,7 @@ SCHEMES = {
     'moda': ({'name': 'moda', 'moda': {'extra_ffn_kv_proj': True}}, 'hc'),
 }
 L, D, H, KV, V = 3, 32, 4, 2, 64
+EPS_MHC = 1e-5
 
 
 def have_olmo_core():
@@ -120,6 +121,48 @@ def test_study_layouts_differ_from_ours():
         for t in range(m):  # ours: res[s, t] (stream s into new stream t); Liger: [t, s]
             assert b[2 * m + t * m + s] == bias[2 * m + s * m + t]
     assert torch.equal(b[:2 * m], bias[:2 * m])
+
+
+def liger_streams(study, model, idx):
+    """The study's Liger mHC forward (liger_kernel mhc: mix = RMS(vec H) phi; pre = sigmoid(alpha_pre
+    mix + b), post = 2 sigmoid(...), H_res = Sinkhorn(alpha_res mix + b) stored (out, in): new stream o =
+    sum_i H_res[o, i] H[i] + post[o] f), written from the study's key names; the branches are ours."""
+    m, T = model.config.hc_streams, idx.size(1)
+    rope = (model.rope_cos[:T], model.rope_sin[:T])
+    H = model.wte(idx).unsqueeze(-2).repeat(1, 1, m, 1)
+    for b in range(model.config.n_layer):
+        layer, norms = model.blocks[b], model.residual.layers[b]
+        for side, f in (('attention', lambda x: layer.attn(norms.attn_norm(x), rope)),
+                        ('feed_forward', lambda x: layer.mlp(norms.mlp_norm(x)))):
+            w = lambda n: study[f'blocks.{b}.{side}_hyper_connection.{n}']  # noqa: E731
+            flat = H.reshape(*H.shape[:-2], -1)
+            mix = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS_MHC) @ w("phi")
+            pre = torch.sigmoid(mix[..., :m] * w('alpha_pre') + w('b')[:m])
+            post = 2 * torch.sigmoid(mix[..., m:2 * m] * w('alpha_post') + w('b')[m:2 * m])
+            z = (mix[..., 2 * m:] * w('alpha_res') + w('b')[2 * m:]).unflatten(-1, (m, m))  # [o, i]
+            for _ in range(20):  # rows (over i), then columns (over o)
+                z = z - torch.logsumexp(z, -1, keepdim=True)
+                z = z - torch.logsumexp(z, -2, keepdim=True)
+            y = f(torch.einsum('...s,...sd->...d', pre, H))
+            H = torch.einsum('...oi,...id->...od', z.exp(), H) + post.unsqueeze(-1) * y.unsqueeze(-2)
+    return H
+
+
+def test_liger_mhc_layout_against_the_study_forward():
+    """Independent of the inverse mapping: the study's Liger forward on the converted names gives our
+    streams (the (out, in) H_res block is where a transposed import would differ)."""
+    model, kind, backend = our_model('mhc')
+    with torch.no_grad():  # far from the near-identity init, where H_res is symmetric
+        for n, p in model.residual.named_parameters():
+            if '_route.' in n:
+                p.copy_(torch.randn_like(p) * 0.3)
+    study = convert.to_study(model.state_dict(), model.config, kind, backend)
+    idx = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = liger_streams(study, model, idx)
+        ours = model.hidden(idx)
+    want = want if ours.dim() == 4 else want.sum(-2)  # hidden: the streams, or (older model.py) their sum
+    assert (ours - want).abs().max() < 1e-4
 
 
 def test_plain_mhc_backend_and_keel_block0(tmp_path):
