@@ -35,6 +35,7 @@ import os
 import pickle
 import sys
 import tempfile
+import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -348,6 +349,7 @@ def read_distcp(path, prefix='model.'):
     if not os.path.isfile(os.path.join(path, '.metadata')):
         raise ValueError(f"{path} has no .metadata: not a torch.distributed checkpoint directory (model_and_optim/)")
     errors = []
+    warnings.filterwarnings('ignore', message='torch.distributed is disabled')  # one process, as intended
     try:
         import olmo_core.distributed.checkpoint as occ
     except Exception as e:  # not installed, or its imports fail
