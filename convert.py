@@ -212,6 +212,17 @@ def config_from_study(config, state):
         if int(have) != want:
             raise ValueError(f"config.json model.{what} = {have} but embeddings.weight is {tuple(state['embeddings.weight'].shape)}: "
                              f"config.json belongs to another checkpoint")
+    # options that change the forward without leaving a tensor behind: refused by name
+    for where, key in ((config['model'], 'embed_scale'), (mixer, 'clip_qkv'), (mixer, 'window_size'),
+                       (mixer, 'sliding_window'), (mixer, 'softmax_scale')):
+        if where.get(key) is not None:
+            raise ValueError(f"config.json sets {key} = {where[key]!r}: not in our backbone, so this checkpoint "
+                             f"cannot be converted exactly")
+    for i, over in (get(config, 'model', 'block_overrides', default={}) or {}).items():
+        name = BLOCK_ALIASES.get(str(over.get('name', block.get('name'))), str(over.get('name', block.get('name'))))
+        if name != kind and not (kind in ('hc', 'mhc', 'attnres') and name == 'default'):
+            raise ValueError(f"model.block_overrides makes block {i} a {name!r} block in a {kind!r} model: "
+                             f"mixed block kinds are not supported")
     n_head = int(get(mixer, 'n_heads'))
     n_kv = int(mixer.get('n_kv_heads') or n_head)
     eps = float(get(block, 'layer_norm', 'eps', default=1e-5))       # OLMo-core LayerNormConfig default
@@ -266,6 +277,8 @@ def from_study(state, cfg, kind, backend='hc'):
     Raises ValueError naming the first missing, unknown or mis-shaped key."""
     entries, aliases = study_layout(cfg, kind, backend)
     known = {k for e in entries for k in e.study}
+    # wrapper segments (torch.compile, activation checkpointing) are not part of a name
+    state = {k.replace('_orig_mod.', '').replace('_checkpoint_wrapped_module.', ''): v for k, v in state.items()}
     for k in sorted(state):
         if k not in known and k not in aliases:
             raise ValueError(f"unknown key {k} in the study's checkpoint: our {cfg.residual} has no such "

@@ -180,7 +180,7 @@ def test_plain_mhc_backend_and_keel_block0(tmp_path):
     assert 'blocks.0.post_attention_norm.weight' not in study and 'blocks.1.post_attention_norm.weight' in study
 
 
-@pytest.mark.parametrize('case', ['missing', 'extra', 'shape', 'kind', 'mhc_static'])
+@pytest.mark.parametrize('case', ['missing', 'extra', 'shape', 'kind', 'mhc_static', 'window', 'override'])
 def test_bad_study_checkpoints(tmp_path, case):
     model, kind, backend = our_model('hc')
     study = convert.to_study(model.state_dict(), model.config, kind, backend)
@@ -193,8 +193,12 @@ def test_bad_study_checkpoints(tmp_path, case):
         study['blocks.2.attention.w_k.weight'] = torch.zeros(D, D)
     elif case == 'kind':
         config['model']['block']['name'] = 'normalized'
-    else:
+    elif case == 'mhc_static':
         config['model']['block'].update(name='mhc', hyper_connections={'kind': 'mhc_static'})
+    elif case == 'window':
+        config['model']['block']['sequence_mixer']['window_size'] = [8, 0]
+    else:
+        config['model']['block_overrides'] = {'2': {'name': 'peri_norm'}}
     run, _, _ = write_study_run(tmp_path, 'hc', state=study, config=config)
     out = tmp_path / 'out' / 'ckpt.pt'
     with pytest.raises(SystemExit) as e:
@@ -205,7 +209,9 @@ def test_bad_study_checkpoints(tmp_path, case):
             'extra': 'unknown key blocks.1.attention.q_norm.weight',
             'shape': 'shape mismatch at blocks.2.attention.w_k.weight',
             'kind': "'normalized' is not one of",
-            'mhc_static': "'mhc_static' is not supported"}[case] in msg
+            'mhc_static': "'mhc_static' is not supported",
+            'window': "config.json sets window_size = [8, 0]: not in our backbone",
+            'override': "makes block 2 a 'peri_norm' block in a 'hc' model"}[case] in msg
     assert not out.exists() and not out.parent.exists() or not any(out.parent.iterdir())  # nothing half-written
 
 
