@@ -272,6 +272,16 @@ def config_from_study(config, state):
 # -----------------------------------------------------------------------------
 # mapping state dicts
 
+def moda_name(k):
+    """blocks.i.attention.w_q.weight -> blocks.i.attention.attention.w_q.weight (MoDAAttention's inner
+    module), blocks.i.feed_forward.w1.weight -> blocks.i.feed_forward.feed_forward.w1.weight."""
+    parts = k.split('.')
+    if len(parts) == 5 and parts[0] == 'blocks' and (parts[2], parts[3]) in \
+            [('attention', n) for n in ATTN] + [('feed_forward', n) for n in MLP]:
+        return '.'.join(parts[:3] + parts[2:])
+    return k
+
+
 def from_study(state, cfg, kind, backend='hc'):
     """The study's tensors {key: tensor} (without the 'model.' prefix) -> our state dict, fp32.
     Raises ValueError naming the first missing, unknown or mis-shaped key."""
@@ -279,6 +289,9 @@ def from_study(state, cfg, kind, backend='hc'):
     known = {k for e in entries for k in e.study}
     # wrapper segments (torch.compile, activation checkpointing) are not part of a name
     state = {k.replace('_orig_mod.', '').replace('_checkpoint_wrapped_module.', ''): v for k, v in state.items()}
+    if kind == 'moda':  # MoDA wraps the block's attention and feed-forward: accept the unwrapped names too
+        state = {moda_name(k) if moda_name(k) in known and moda_name(k) not in state else k: v
+                 for k, v in state.items()}
     for k in sorted(state):
         if k not in known and k not in aliases:
             raise ValueError(f"unknown key {k} in the study's checkpoint: our {cfg.residual} has no such "

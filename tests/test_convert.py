@@ -344,3 +344,32 @@ def test_tokenizer_vocab_beyond_uint16_refused(tmp_path):
     with pytest.raises(ValueError, match=r"70,001 ids; the token files are uint16"):
         prepare.main(['--input', str(src), '--tokenizer', str(path), '--out_dir', str(tmp_path / 'd')])
     assert not (tmp_path / 'd' / 'train.bin').exists()
+
+
+# -----------------------------------------------------------------------------
+# against tests/test_study_fidelity.py's transcription of the study's forward
+
+@pytest.mark.parametrize('scheme', [s for s in SCHEMES if s != 'mhc'])
+def test_converted_names_run_the_study_transcription(scheme):
+    """The names convert.py reads are the ones the transcription of the study's forward in
+    test_study_fidelity.py runs on: its logits on our layout (MoDA's wrapped names unwrapped,
+    which convert.py also accepts) equal our model's. mHC is left out: that transcription reads
+    Liger's H_res as (in, out); liger_kernel stores it (out, in), see the Liger test above."""
+    fid = pytest.importorskip('test_study_fidelity')
+    model = fid.make(scheme)
+    fid.randomise(model)
+    kind = {'preln': 'default', 'lns': 'default_scaled', 'sandwich': 'peri_norm', 'blockattnres': 'attnres'}
+    study = convert.to_study(model.state_dict(), model.config, kind.get(scheme, scheme))
+    if scheme == 'moda':
+        study = {k.replace('attention.attention.', 'attention.').replace('feed_forward.feed_forward.', 'feed_forward.'): v
+                 for k, v in study.items()}
+        assert set(convert.from_study(study, model.config, 'moda')) == set(model.state_dict())
+    idx = fid.tokens()
+    with torch.no_grad():
+        real = fid.study_weights
+        try:
+            fid.study_weights = lambda m: study
+            theirs = fid.study_logits(model, idx)
+        finally:
+            fid.study_weights = real
+        assert (theirs - model(idx)[0]).abs().max() < 1e-5
