@@ -33,7 +33,6 @@ import json
 import math
 import os
 import pickle
-import sys
 import tempfile
 import warnings
 from dataclasses import asdict, fields
@@ -445,7 +444,7 @@ def load_olmo_core(path, tokenizer=None):
     ckpt = {'model': model_state, 'model_args': asdict(cfg), 'iter_num': step,
             'config': {'tokenizer': tok, 'converted_from': str(ckpt_dir.resolve()), 'source': 'olmo_core',
                        'block': kind if kind != 'mhc' else backend}}
-    msg = (f"{ckpt_dir}: {kind} ({backend if kind == 'mhc' else cfg.residual}), L={cfg.n_layer}, d={cfg.n_embd}, "
+    msg = (f"{ckpt_dir}: block {kind}{'/' + backend if kind == 'mhc' else ''} -> {cfg.residual}, L={cfg.n_layer}, d={cfg.n_embd}, "
            f"heads {cfg.n_head}/{cfg.n_kv_head}, vocab {cfg.vocab_size}, read with {reader}; "
            f"tokenizer {tok or 'not found (pass --tokenizer=path/to/tokenizer.json)'}")
     return ckpt, msg
@@ -581,7 +580,6 @@ def export_hf(ckpt_path, out_dir):
     try:
         save_file(tensors, str(tmp / 'model.safetensors'), metadata={'format': 'pt'})
         (tmp / 'config.json').write_text(json.dumps(hf_config(cfg), indent=2) + '\n')
-        (tmp / 'generation_config.json').write_text(json.dumps({'do_sample': True}) + '\n')
         tok = (ckpt.get('config') or {}).get('tokenizer')
         if isinstance(tok, str) and tok.endswith('.json') and os.path.isfile(tok):
             (tmp / 'tokenizer.json').write_bytes(Path(tok).read_bytes())
