@@ -228,8 +228,9 @@ def config_from_study(config, state):
     head_eps = float(get(config, 'model', 'lm_head', 'layer_norm', 'eps', default=eps))
     if head_eps != eps:
         raise ValueError(f"the final norm's eps {head_eps} differs from the blocks' {eps}: our models use one norm_eps")
-    norm = str(get(block, 'layer_norm', 'name', default='layer_norm' if kind == 'deepnorm' else 'rms'))
-    if norm not in (('layer_norm', 'fused_layer_norm') if kind == 'deepnorm' else ('rms', 'fused_rms')):
+    # LayerNormType: 'default' is LayerNorm (the study's DeepNorm, examples/pretrain_deepnorm.py), 'rms' RMSNorm
+    norm = str(get(block, 'layer_norm', 'name', default='default' if kind == 'deepnorm' else 'rms'))
+    if norm not in (('default',) if kind == 'deepnorm' else ('rms', 'fused_rms')):
         raise ValueError(f"model.block.layer_norm.name = {norm!r}: our {BLOCK_KINDS[kind]} uses "
                          f"{'LayerNorm' if kind == 'deepnorm' else 'RMSNorm'} (gain only)")
     rope = mixer.get('rope') or {}

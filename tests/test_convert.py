@@ -23,7 +23,7 @@ SCHEMES = {
     'preln': ({'name': 'default'}, 'hc'),
     'lns': ({'name': 'default_scaled'}, 'hc'),
     'sandwich': ({'name': 'peri_norm'}, 'hc'),
-    'deepnorm': ({'name': 'deepnorm', 'layer_norm': {'name': 'layer_norm', 'eps': 1e-5, 'bias': False}}, 'hc'),
+    'deepnorm': ({'name': 'deepnorm', 'layer_norm': {'name': 'default', 'eps': 1e-5, 'bias': False}}, 'hc'),
     'keel': ({'name': 'keel'}, 'hc'),
     'attnres': ({'name': 'attnres', 'attnres_block_size': 1}, 'hc'),
     'blockattnres': ({'name': 'attn_res', 'attnres_block_size': 2}, 'hc'),  # the old alias
