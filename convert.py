@@ -406,6 +406,8 @@ def find_study_dir(path):
     """A study checkpoint dir (config.json + model_and_optim/) from itself or a run dir
     (its latest step<N>/). Raises ValueError when neither."""
     path = Path(path)
+    if path.name == 'model_and_optim':
+        path = path.parent
     if (path / 'config.json').is_file() and (path / 'model_and_optim').is_dir():
         return path
     steps = []
