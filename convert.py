@@ -172,10 +172,8 @@ def study_block(config):
     """config.json's model.block after the study's own normalisation (its analysis loader):
     returns (block dict, block kind, hc backend). Raises ValueError for a kind we do not have."""
     block = dict(get(config, 'model', 'block'))
-    if 'name' not in block:
-        name = 'default'
-    else:
-        name = BLOCK_ALIASES.get(str(block['name']), str(block['name']))
+    raw = str(block.get('name', 'default'))
+    name = BLOCK_ALIASES.get(raw, raw)
     hyper = block.get('hyper_connections') or {}
     if name == 'default' and hyper:  # HC/mHC checkpoints written before the block kinds existed
         name = 'hc' if hyper.get('kind', 'hc') == 'hc' else 'mhc'
@@ -184,12 +182,16 @@ def study_block(config):
     if name not in BLOCK_KINDS:
         raise ValueError(f"config.json model.block.name = {block.get('name')!r} is not one of the study's ten "
                          f"schemes we read ({', '.join(BLOCK_KINDS)}); convert a checkpoint of one of those")
-    backend = str(hyper.get('kind', name if name in ('hc', 'mhc') else 'hc'))
+    backend = str(hyper.get('kind', raw if raw in ('hc', 'mhc', 'liger_mhc') else 'hc'))
     if name == 'mhc' and backend not in MHC_BACKENDS:
         raise ValueError(f"mHC backend hyper_connections.kind = {backend!r} is not supported "
                          f"(only {' / '.join(MHC_BACKENDS)}: mhc_static has no dynamic routing)")
     if name == 'hc' and backend != 'hc':
         raise ValueError(f"an 'hc' block needs hyper_connections.kind = 'hc', got {backend!r}")
+    # HyperConnectionsConfig options whose other values our HC / mHC do not have
+    for key, ours in (('sinkhorn_tau', 1.0), ('liger_pre_eps', 0.0), ('liger_post_mult', 2.0)):
+        if key in hyper and float(hyper[key]) != ours:
+            raise ValueError(f"hyper_connections.{key} = {hyper[key]} is not supported (ours: {ours})")
     tanh = hyper.get('tanh')
     if tanh is not None and bool(tanh) != (name == 'hc'):
         raise ValueError(f"hyper_connections.tanh = {tanh} is not our {name}'s form "
