@@ -373,3 +373,38 @@ def test_converted_names_run_the_study_transcription(scheme):
         finally:
             fid.study_weights = real
         assert (theirs - model(idx)[0]).abs().max() < 1e-5
+
+
+def test_converted_study_run_probes_with_its_tokenizer(tmp_path):
+    """The walkthrough of docs/convert.md in small: a study run with its tokenizer/ converts; held-out
+    text prepared with that tokenizer.json probes through probe.py, which finds the tokenizer in the
+    checkpoint."""
+    pytest.importorskip('tokenizers')
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from data.fineweb_edu import prepare
+    import probe
+    run, model, _ = write_study_run(tmp_path, 'attnres')
+    words = ['[UNK]'] + 'the depth of a residual stream and its blocks , 0 1 2 3 4 5 6 7 8 9'.split() + ['<|endoftext|>']
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token='[UNK]'))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (run / 'tokenizer').mkdir()
+    tok.save(str(run / 'tokenizer' / 'tokenizer.json'))
+    out = tmp_path / 'out' / 'study_attnres' / 'ckpt.pt'
+    convert.main(['--from=olmo_core', str(run), f'--out={out}'])
+    src = tmp_path / 'docs.jsonl'
+    src.write_text(''.join(json.dumps({'text': f'the depth of a residual stream , {i % 10} and its blocks'}) + '\n'
+                           for i in range(200)))
+    prepare.main(['--input', str(src), '--tokenizer', str(run / 'tokenizer' / 'tokenizer.json'),
+                  '--out_dir', str(tmp_path / 'data'), '--val_fraction', '0.3'])
+    probe.main(['--ckpt', str(out), '--metrics=angular,causal', '--n_windows=2', '--seq_len=8', '--device=cpu',
+                f'--val_bin={tmp_path / "data" / "val.bin"}', f'--out_dir={tmp_path / "probe"}'])
+    result = json.loads((tmp_path / 'probe' / 'probe.json').read_text())
+    assert result['tokenizer'] == str((run / 'tokenizer' / 'tokenizer.json').resolve())
+    assert {'angular', 'causal'} <= set(result)
+
+
+def test_cli_error_is_one_line(tmp_path):
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / 'convert.py'), '--from=olmo_core', str(tmp_path),
+                        f'--out={tmp_path / "c.pt"}'], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and r.stderr.startswith('error: ')
