@@ -930,7 +930,8 @@ def main(argv=None):
     p.add_argument('--batch_size', type=int, default=BATCH_SIZE, help="windows per micro-batch")
     p.add_argument('--seed', type=int, default=42, help="window sampling seed (probes.md §0)")
     p.add_argument('--val_bin', default=None, help="held-out tokens; default data/<dataset>/val.bin")
-    p.add_argument('--tokenizer', default=None, help="default: from the dataset's meta.json")
+    p.add_argument('--tokenizer', default=None,
+                   help="gpt2, byte or path/to/tokenizer.json; default: from the dataset's meta.json or the checkpoint")
     p.add_argument('--eval_dir', default=str(evals.EVAL_DIR), help="evaluation sets from data/evals/prepare.py")
     p.add_argument('--eval_batch_size', type=int, default=8, help="sequences per batch in prune / domain_nll")
     p.add_argument('--arc_limit', type=int, default=None, help="score only the first N ARC-Easy questions")
