@@ -584,9 +584,10 @@ def block_weights(model, windows, batch_size=BATCH_SIZE, dead_threshold=0.1, pro
 @torch.no_grad()
 def logit_lens(model, windows, batch_size=BATCH_SIZE, progress=False):
     """LogitLens (Fig. 8 right, probes.md §5): p_l = softmax(model.head(r_l)) for the lens state
-    r_l (residual.lens: the residual stream, the sum of HC streams, the AttnRes mix the next
-    read produces) after l = 0..L blocks; p_final = the model's actual output. Per next-token
-    position 0..T-2, token-weighted over windows:
+    r_l (residual.lens: the residual stream, HC/mHC's streams, the AttnRes mix the next
+    read produces; model.head decodes it with the scheme's readout) after l = 0..L blocks;
+    p_final = the model's actual output. Per next-token position 0..T-2, token-weighted
+    over windows:
     'kl' = KL(p_final || p_l) = sum p_final (log p_final - log p_l) (nats; 0 at l = L),
     'ce' = early-exit cross-entropy (nats), 'top5' = |top5(p_l) & top5(p_final)| / 5.
     Returns {'kl', 'ce', 'top5': lists of L+1 floats, 'n_tokens'}."""
