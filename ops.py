@@ -136,69 +136,6 @@ def depth_mix_reference(sources, inv_rmses, query, key_gain):
     return z, a
 
 
-# Under torch.compile a read is cut into chunks of DEPTH_CHUNK sources, each a nested
-# compile region: whole-model compilation then traces and compiles one chunk of each kind
-# once and stamps it out for every read, so compile time grows linearly in depth instead
-# of with the (2L + 1)^2 / 2 source terms of all the reads unrolled (docs/gpu.md).
-DEPTH_CHUNK = 8
-
-
-@torch.compiler.nested_compile_region
-def depth_logits_chunk(u, *sources):
-    """r_i = v_i . u for DEPTH_CHUNK sources v_i (B, T, d) and u (d,): (c, B, T) in u's dtype."""
-    return torch.stack([v.to(u.dtype) @ u for v in sources])
-
-
-@torch.compiler.nested_compile_region
-def depth_sum_chunk(a, *sources):
-    """sum_i a_i v_i for DEPTH_CHUNK sources v_i (B, T, d), a (c, B, T): (B, T, d) in a's dtype."""
-    z = a[0].unsqueeze(-1) * sources[0].to(a.dtype)
-    for i in range(1, len(sources)):
-        z = z + a[i].unsqueeze(-1) * sources[i].to(a.dtype)
-    return z
-
-
-def chunk_windows(n, chunk):
-    """The windows a chunked read of n sources runs over: [(start, skip)] where each window
-    is sources[start:start + chunk] and its first `skip` sources belong to the window before
-    (they get weight 0). The last window ends at n and overlaps the one before it, so every
-    window has exactly `chunk` sources and one compiled region serves them all; n < chunk
-    gives one short window [(0, 0)] that is written inline."""
-    if n <= chunk:
-        return [(0, 0)]
-    starts = list(range(0, n - chunk + 1, chunk))
-    if starts[-1] + chunk < n:
-        starts.append(n - chunk)
-    return [(s, (starts[i - 1] + chunk - s) if i else 0) for i, s in enumerate(starts)]
-
-
-def depth_mix_chunked(sources, inv_rmses, query, key_gain, chunk=None):
-    """`depth_mix` as the form torch.compile traces: the same numbers (logits, softmax and
-    sum in fp32), in two passes over windows of exactly `chunk` (default DEPTH_CHUNK)
-    sources (`chunk_windows`), each one call of a nested compile region (a read of fewer
-    sources is written inline). Left to autograd: the saved tensors are the logits, weights
-    and 1/rms (n, B, T) and references to the sources, never a stack of them."""
-    chunk = chunk or DEPTH_CHUNK
-    dtype = _promoted_dtype(sources)
-    acc = torch.promote_types(dtype, torch.float32)
-    u = query.to(acc) * key_gain.to(acc)                                   # (d,)
-    n = len(sources)
-    s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                # (n, B, T)
-    if n < chunk:
-        r = torch.stack([v.to(acc) @ u for v in sources])                  # (n, B, T)
-        a = torch.softmax(r * s, dim=0)
-        return sum(a[i].unsqueeze(-1) * v.to(acc) for i, v in enumerate(sources)).to(dtype), a
-    windows = chunk_windows(n, chunk)
-    r = torch.cat([depth_logits_chunk(u, *sources[i:i + chunk])[skip:] for i, skip in windows])  # (n, B, T)
-    a = torch.softmax(r * s, dim=0)                                        # (n, B, T)
-    z = None
-    for i, skip in windows:
-        ai = a[i:i + chunk] if not skip else torch.cat([a.new_zeros(skip, *a.shape[1:]), a[i + skip:i + chunk]])
-        part = depth_sum_chunk(ai, *sources[i:i + chunk])                  # (B, T, d)
-        z = part if z is None else z + part
-    return z.to(dtype), a
-
-
 def depth_mix(sources, inv_rmses, query, key_gain):
     """Depth attention of AttnRes (arXiv 2603.15031; DESIGN §4):
 
@@ -214,8 +151,6 @@ def depth_mix(sources, inv_rmses, query, key_gain):
     Raises ValueError if the lists are empty or differ in length, or for a shape that
     does not fit the above."""
     check_depth_mix_args(sources, inv_rmses, query, key_gain)
-    if torch.compiler.is_compiling():
-        return depth_mix_chunked(sources, inv_rmses, query, key_gain)
     return DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
 
 
@@ -419,49 +354,6 @@ class DepthReadFunction(torch.autograd.Function):
         return (gq.to(q.dtype), None, *gK, *gV)
 
 
-@torch.compiler.nested_compile_region
-def depth_scores_chunk(q, *keys):
-    """d_j = q . K_j for DEPTH_CHUNK depth keys K_j (B, H_kv, T, hd), q (B, H_kv, G, T, hd):
-    (c, B, H_kv, G, T) in q's dtype."""
-    return torch.stack([torch.linalg.vecdot(q, k.unsqueeze(2).to(q.dtype)) for k in keys])
-
-
-@torch.compiler.nested_compile_region
-def depth_values_chunk(a, *values):
-    """sum_j a_j V_j for DEPTH_CHUNK depth values V_j (B, H_kv, T, hd), a (c, B, H_kv, G, T):
-    (B, H_kv, G, T, hd) in a's dtype."""
-    y = a[0].unsqueeze(-1) * values[0].unsqueeze(2).to(a.dtype)
-    for j in range(1, len(values)):
-        y = y + a[j].unsqueeze(-1) * values[j].unsqueeze(2).to(a.dtype)
-    return y
-
-
-def depth_read_chunked(q, scale, depth_k, depth_v, chunk=None):
-    """`DepthReadFunction` as the form torch.compile traces (like `depth_mix_chunked`): the
-    same y (B, H_kv, G, T, hd) in q's dtype and lse (B, H_kv, G, T) fp32, over windows of
-    exactly `chunk` (default DEPTH_CHUNK) slots, each a call of a nested compile region,
-    left to autograd (saved: the (S, B, H_kv, G, T) weights and references to the slots)."""
-    chunk = chunk or DEPTH_CHUNK
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qa, S = q.to(acc), len(depth_k)
-    if S < chunk:
-        d = torch.stack([torch.linalg.vecdot(qa, k.unsqueeze(2).to(acc)) for k in depth_k]) * scale
-        lse = torch.logsumexp(d, dim=0)
-        a = torch.exp(d - lse)                                                    # (S, B, H_kv, G, T)
-        y = sum(a[j].unsqueeze(-1) * v.unsqueeze(2).to(acc) for j, v in enumerate(depth_v))
-        return y.to(q.dtype), lse
-    windows = chunk_windows(S, chunk)
-    d = torch.cat([depth_scores_chunk(qa, *depth_k[i:i + chunk])[skip:] for i, skip in windows]) * scale
-    lse = torch.logsumexp(d, dim=0)                                               # (B, H_kv, G, T)
-    a = torch.exp(d - lse)                                                        # (S, B, H_kv, G, T)
-    y = None
-    for i, skip in windows:
-        ai = a[i:i + chunk] if not skip else torch.cat([a.new_zeros(skip, *a.shape[1:]), a[i + skip:i + chunk]])
-        part = depth_values_chunk(ai, *depth_v[i:i + chunk])
-        y = part if y is None else y + part
-    return y.to(q.dtype), lse
-
-
 # the fused CPU attention kernel that also returns the log-sum-exp of each query's scores
 # (None if this torch build lacks it: depth_attention then uses the portable null-key form)
 _CPU_FLASH = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
@@ -553,9 +445,7 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None):
     if S == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     scale = hd ** -0.5
-    qg = q.view(B, Hkv, H // Hkv, T, hd)
-    y_dep, lse = (depth_read_chunked(qg, scale, depth_k, depth_v) if torch.compiler.is_compiling()
-                  else DepthReadFunction.apply(qg, scale, *depth_k, *depth_v))
+    y_dep, lse = DepthReadFunction.apply(q.view(B, Hkv, H // Hkv, T, hd), scale, *depth_k, *depth_v)
     y_dep, lse = y_dep.view(B, H, T, hd), lse.view(B, H, T)
     if method == 'null_key':
         return merge_null_key(q, k, v, y_dep, lse, scale)
