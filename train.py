@@ -191,8 +191,8 @@ class TokenLoader:
 
     def __init__(self, path, B, T, rank=0, world=1, seed=0, shuffle=True):
         if not os.path.exists(path):
-            fail(f"{path} not found: prepare the data first, e.g. "
-                 f"python data/fineweb_edu/prepare.py --input YOUR_SHARDS (see README)")
+            fail(f"{path} not found: prepare the data first, e.g. python data/fineweb_edu/prepare.py "
+                 f"--input YOUR_FILES --out_dir={os.path.dirname(path)} (or --sample for the embedded sample)")
         self.data = np.memmap(path, dtype=np.uint16, mode='r')
         self.B, self.T, self.rank, self.world, self.seed, self.shuffle = B, T, rank, world, seed, shuffle
         self.n_chunks = len(self.data) // (T + 1)
@@ -229,8 +229,36 @@ class TokenLoader:
         self.epoch, self.step = s['epoch'], s['step']
 
 
+def prepare_embedded_sample(data_dir, tokenizer_name):
+    """Write train.bin/val.bin/meta.json to data_dir from the web-text sample shipped in
+    data/sample/ (data/fineweb_edu/prepare.py --sample), so that a fresh clone trains offline."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        'prepare', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'fineweb_edu', 'prepare.py'))
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    print0(f"{data_dir} has no train.bin/val.bin: preparing it from the embedded sample "
+           f"{os.path.relpath(prepare.SAMPLE)} ({tokenizer_name} tokenizer, a few seconds)")
+    try:
+        prepare.main(['--sample', f'--tokenizer={tokenizer_name}', f'--out_dir={data_dir}'])
+    except (ValueError, FileNotFoundError) as e:
+        fail(f"cannot prepare the embedded sample: {e}")
+
+
 if data_dir is None:
     data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+    # the default data of a fresh clone: prepared from the embedded sample when absent (only
+    # for data/fineweb_edu[_<tokenizer>]; a data_dir the user names must exist)
+    from tokenizer import TOKENIZERS
+    _sample_tok = 'gpt2' if dataset == 'fineweb_edu' else dataset.removeprefix('fineweb_edu_')
+    if _sample_tok in TOKENIZERS and not all(os.path.exists(os.path.join(data_dir, f)) for f in ('train.bin', 'val.bin')):
+        if master:
+            prepare_embedded_sample(data_dir, _sample_tok)
+        if ddp:
+            dist.barrier()  # the other ranks wait until rank 0 has written the files
+elif not os.path.isdir(data_dir):
+    fail(f"data_dir={data_dir!r} does not exist: prepare data there with "
+         f"python data/fineweb_edu/prepare.py --input FILES --out_dir={data_dir}")
 meta_path = os.path.join(data_dir, 'meta.json')
 meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
 train_loader = TokenLoader(os.path.join(data_dir, 'train.bin'), batch_size, block_size, rank, world_size, seed)
@@ -424,7 +452,8 @@ def save_checkpoint(path, evaluated=True):
         rng['cuda'] = torch.cuda.get_rng_state()
     ckpt = {'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config),
             'config': config, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
-            'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated}
+            'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated,
+            'tokenizer': meta.get('tokenizer')}  # sample.py decodes with it (None: data without meta.json)
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     tmp = path + '.tmp'
     torch.save(ckpt, tmp)

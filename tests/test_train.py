@@ -174,6 +174,43 @@ def test_nonfinite_loss_stops_with_diagnostic_checkpoint(data_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_fresh_clone_prepares_the_embedded_sample(tmp_path):
+    """A clone with no data: the default data dir is prepared from data/sample/ (one line says
+    so), and only the default one; a data_dir the user names must exist."""
+    import shutil
+    clone = tmp_path / 'clone'
+    (clone / 'data' / 'fineweb_edu').mkdir(parents=True)
+    for f in REPO.glob('*.py'):
+        shutil.copy(f, clone)
+    shutil.copy(REPO / 'data' / 'fineweb_edu' / 'prepare.py', clone / 'data' / 'fineweb_edu')
+    shutil.copytree(REPO / 'data' / 'sample', clone / 'data' / 'sample')
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    tiny = ['--device=cpu', '--compile=False', '--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=32',
+            '--batch_size=2', '--eval_iters=2', '--eval_only=True']
+
+    def run(*args):
+        return subprocess.run([sys.executable, 'train.py', *tiny, *args], cwd=clone, capture_output=True,
+                              text=True, env=env, timeout=300)
+    r = run(f'--out_dir={tmp_path / "out"}')
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = [line for line in r.stdout.splitlines() if 'embedded sample' in line]
+    assert len(said) == 1 and 'fineweb_edu has no train.bin/val.bin' in said[0] and 'gpt2' in said[0]
+    meta = json.loads((clone / 'data' / 'fineweb_edu' / 'meta.json').read_text())
+    assert meta['tokenizer'] == 'gpt2' and meta['train_docs'] + meta['val_docs'] == 744
+    val = float(r.stdout.split('val loss ')[1].split()[0])
+    assert val == pytest.approx(np.log(50280), abs=0.3)  # untrained: about uniform over the vocabulary
+    r = run('--dataset=fineweb_edu_byte', f'--out_dir={tmp_path / "out"}')  # the byte twin, by its name
+    assert r.returncode == 0 and 'byte tokenizer' in r.stdout, r.stderr[-2000:]
+    assert json.loads((clone / 'data' / 'fineweb_edu_byte' / 'meta.json').read_text())['vocab_size'] == 257
+    for args, words in ((['--dataset=mydata'], ('data/mydata/train.bin not found', '--sample')),
+                        ([f'--data_dir={tmp_path / "nowhere"}'], ("data_dir=", "nowhere", 'does not exist'))):
+        r = run(*args, f'--out_dir={tmp_path / "out"}')
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+    assert not (clone / 'data' / 'mydata').exists()
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not (SHARED / 'c4_sample_1000.jsonl.gz').exists(), reason='../shared/data not present')
 def test_real_web_text(tmp_path):
     """Prepare the real C4 sample with GPT-2 BPE and train a small AttnRes model on it."""
