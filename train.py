@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 import warnings
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -91,12 +92,16 @@ compile = None  # torch.compile the model; None = on for CUDA, off elsewhere
 fsdp = False  # shard parameters with FSDP2 (fully_shard) instead of DDP under torchrun
 backend = None  # torch.distributed backend; None = nccl on CUDA, gloo on CPU
 seed = 1337
+# logging to Weights & Biases (rank 0 only; needs `pip install wandb`; WANDB_MODE=offline logs locally)
+wandb_log = False  # also log every metrics.jsonl row, with the per-block arrays, to W&B
+wandb_project = 'depthbench'  # W&B project
+wandb_run_name = None  # W&B run name; None = the last component of out_dir
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 # the types of the keys whose default is None (the others keep their default's type)
 none_default_types = {'stop_iter': int, 'max_iters': int, 'warmup_iters': int, 'n_kv_head': int, 'ffn_hidden': int,
                       'vocab_size': int, 'learning_rate': float, 'data_dir': str, 'dtype': str, 'compile': bool,
-                      'backend': str}
+                      'backend': str, 'wandb_run_name': str}
 try:
     keys_set = configure(globals(), config_keys, sys.argv[1:], help_text=comments_from_source(__file__),
                          none_types=none_default_types)
@@ -174,6 +179,17 @@ if fsdp and not ddp:
 def print0(*args, **kwargs):
     if master:
         print(*args, **kwargs, flush=True)
+
+
+if device_type == 'cpu':  # say so up front: a GPU-sized model takes minutes to build here, and more to evaluate
+    _d, _L, _V = n_embd, n_layer, vocab_size or 50280
+    _ffn = ffn_hidden or 16 * math.ceil(8 * _d / 3 / 16)
+    _approx_params = _L * (4 * _d * _d + 3 * _d * _ffn) + 2 * _V * _d  # attention + SwiGLU + embedding/head
+    _tokens = gradient_accumulation_steps * world_size * batch_size * block_size
+    if _approx_params > 50e6 or _tokens > 65536:
+        print0(f"note: this run is sized for a GPU (about {_approx_params / 1e6:.0f}M parameters, {_tokens:,} tokens "
+               f"per iteration): on a CPU an iteration takes minutes or more. For a CPU use config/cpu_attnres.py or "
+               f"config/cpu_preln.py (minutes in all), or a config/mini/ config")
 
 
 torch.manual_seed(seed)  # the same initial weights on every rank
@@ -410,15 +426,18 @@ def get_lr(it):
 
 
 @torch.no_grad()
-def estimate_val_loss():
+def estimate_val_loss(progress=False):
     """Mean next-token cross-entropy (nats) over the first eval_iters x batch_size chunks
     of val.bin (the same chunks every time, whatever the number of processes; fewer if
-    val.bin is smaller). Batch k (chunks [k B, (k+1) B)) is scored by rank k mod world."""
+    val.bin is smaller). Batch k (chunks [k B, (k+1) B)) is scored by rank k mod world.
+    progress: a progress bar on rank 0 (stderr) if the evaluation takes more than 2 s."""
+    from tqdm import tqdm
     model.eval()
     loader = TokenLoader(val_path, batch_size, block_size, shuffle=False)  # one stream: step k = batch k
     n = min(eval_iters, loader.n_chunks // batch_size)
     total = torch.zeros(2, device=device)
-    for i in range(math.ceil(n / world_size)):  # every rank runs as many forwards (FSDP gathers in each)
+    for i in tqdm(range(math.ceil(n / world_size)), desc='evaluating', unit='batch', leave=False, delay=2,
+                  disable=not (progress and master)):  # every rank runs as many forwards (FSDP gathers in each)
         k = i * world_size + rank
         loader.step = k if k < n else 0       # past the end: a forward that counts for nothing
         x, y = loader.next_batch()
@@ -507,12 +526,39 @@ if master and not eval_only:
         f.writelines(rows)
     os.replace(metrics_path + '.tmp', metrics_path)
     metrics_file = open(metrics_path, 'a')
+wandb_run = None
+if wandb_log and master and not eval_only:
+    try:
+        import wandb
+    except ImportError:
+        fail("wandb_log=True needs the wandb package: pip install wandb (or drop --wandb_log=True)")
+    wandb_run = wandb.init(project=wandb_project, name=wandb_run_name or os.path.basename(os.path.abspath(out_dir)),
+                           config=config, dir=out_dir)
+
+
+def wandb_row(row):
+    """A metrics.jsonl row as W&B scalars at step row['iter']: a per-block list becomes one key per
+    block ('block_grad_norm/0', ...), so that each block gets its own curve; None values are left
+    out. An evaluation row's lr (the rate of the iteration about to start) is left out too: at the
+    same step, the training row's lr is the rate that step was trained with."""
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, list):
+            out.update({f"{k}/{b}": x for b, x in enumerate(v)})
+        elif v is not None and k != 'iter' and not (k == 'lr' and 'val_loss' in row):
+            out[k] = v
+    if row.get('block_grad_norm'):
+        g = row['block_grad_norm']
+        out['grad_first_last_ratio'] = g[0] / max(g[-1], 1e-12)
+    return out
 
 
 def log_metrics(row):
     if metrics_file is not None:
         metrics_file.write(json.dumps(row) + '\n')
         metrics_file.flush()
+    if wandb_run is not None:
+        wandb_run.log(wandb_row(row), step=row['iter'])
 
 
 # -----------------------------------------------------------------------------
@@ -546,6 +592,8 @@ signal.signal(signal.SIGINT, on_interrupt)
 model.train()
 t0 = time.time()
 val_loss = lossf = None
+recent_dt = deque(maxlen=20)  # seconds of the last iterations: the ETA is their mean (one step alone jumps)
+first_iter, n_evals = iter_num, 0
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
@@ -553,7 +601,8 @@ while True:
 
     # evaluate and checkpoint (state *before* iteration iter_num; a resume starts here)
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != resumed_at:
-        val_loss = estimate_val_loss()
+        val_loss = estimate_val_loss(progress=n_evals == 0)  # the first one may be slow: show its progress
+        n_evals += 1
         best_val_loss = min(best_val_loss, val_loss)
         print0(f"iter {iter_num}: val loss {val_loss:.4f}")
         log_metrics({'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'val_loss': val_loss, 'lr': lr})
@@ -597,12 +646,14 @@ while True:
     iter_num += 1
     t1 = time.time()
     dt, t0 = t1 - t0, t1
+    if iter_num > first_iter + 1 or max_iters - first_iter == 1:  # the first step (warm-up, compile) is no guide
+        recent_dt.append(dt)
     if log_step:
         tokens_per_s = tokens_per_iter / dt
         mfu = estimate_mfu(raw_model, tokens_per_s, block_size, device, world_size)
         row = {'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'train_loss': lossf, 'lr': lr,
                'grad_norm': grad_norm.item(), 'dt_ms': dt * 1000, 'tokens_per_s': tokens_per_s, 'mfu': mfu, **stats}
-        eta = dt * (max_iters - iter_num)
+        eta = (sum(recent_dt) / len(recent_dt) if recent_dt else dt) * (max_iters - iter_num)
         depth = ''
         if stats:
             g = stats['block_grad_norm']
@@ -624,4 +675,6 @@ if iter_num == max_iters and master:
     with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=1)
     print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens")
+if wandb_run is not None:
+    wandb_run.finish()
 shutdown()
