@@ -97,9 +97,9 @@ def plot_runs(runs, out_path, labels=None):
         t, val = series(rows, 'val_loss')
         if len(t):
             ax_loss.plot(t, val, 'o-', color=c, ms=4, lw=1.8, label=f"{label} val ({val[-1]:.3f})")
-        t, lr = series(rows, 'lr')
-        order = np.argsort(t, kind='stable')
-        ax_lr.plot(t[order], lr[order], color=c, label=label)
+        # the training rows' lr (the rate each step used); an evaluation row's is the next step's
+        t, lr = series([r for r in rows if 'train_loss' in r] or rows, 'lr')
+        ax_lr.plot(t, lr, color=c, label=label)
         t, g = block_matrix(rows, 'block_grad_norm')
         if t is not None:
             ax_ratio.plot(t, g[0] / np.maximum(g[-1], 1e-12), color=c, label=label)
