@@ -128,3 +128,25 @@ def test_start_file_prompt(tmp_path):
     [text] = sample.main([f'--init_from={ckpt}', '--device=cpu', f'--start=FILE:{tmp_path / "p.txt"}',
                           '--num_samples=1', '--max_new_tokens=0'])
     assert text == 'naïve café\n'
+
+
+def test_a_tokenizer_json_recorded_in_the_checkpoint_is_used(tmp_path):
+    tokenizers = pytest.importorskip('tokenizers')
+    from tokenizers import models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE(unk_token='[UNK]'))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator([PATTERN * 20], trainers.BpeTrainer(vocab_size=300, special_tokens=['<|endoftext|>'],
+                                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path / 'tokenizer.json'
+    tok.save(str(path))
+    n = tok.get_vocab_size()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=n, block_size=16, n_layer=1, n_head=2, n_embd=32, residual='preln')
+    ckpt = save(GPT(cfg), tmp_path / 'ckpt.pt', tokenizer=str(path))
+    [text] = sample.main([f'--init_from={ckpt}', '--device=cpu', '--start=the lazy dog', '--num_samples=1',
+                          '--max_new_tokens=5', '--temperature=0'])
+    ids = tok.encode('the lazy dog', add_special_tokens=False).ids
+    assert text.startswith('the lazy dog') and len(tok.encode(text, add_special_tokens=False).ids) >= len(ids)
+    with pytest.raises(SystemExit, match='tokenizer'):  # GPT-2's 50,257 ids do not fit this model
+        sample.main([f'--init_from={ckpt}', '--device=cpu', '--tokenizer=gpt2'])
