@@ -15,6 +15,9 @@ What each residual scheme costs in wall-clock time and memory on this machine
     python bench.py --hc_package=True ...   # also time the PyPI hyper-connections package in PlainGPT
     python bench.py --threads=1 ...         # one torch thread: on a CPU shared with other jobs, two
                                             # OpenMP threads on two busy cores are slow and erratic
+    python bench.py --suite=compile ...     # cold-cache compile time of the training step against depth
+    python bench.py --suite=gpu             # the one-call check on one GPU (--tiny=True: toy shapes, CPU)
+                                            # both: docs/gpu.md
 
 For every scheme: training-step time (forward + backward + AdamW step), prefill
 throughput (no_grad forward, tokens/s), MFU (CUDA only: model.estimate_mfu; None on the
