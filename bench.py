@@ -1,6 +1,6 @@
 """
 What each residual scheme costs in wall-clock time and memory on this machine
-(DESIGN §8; paper Sec. 4.4, Fig. 11), measured in ONE run against two references:
+(paper Sec. 4.4, Fig. 11), measured in ONE run against two references:
 
   (a) Pre-LN, the study's baseline, built by model.py like every scheme;
   (b) `PlainGPT`, the same pre-norm transformer written here as plainly as possible
@@ -158,7 +158,7 @@ class PlainBlock(nn.Module):
 
 
 class PlainGPT(nn.Module):
-    """A pre-norm GPT with the backbone of model.py (DESIGN §3) and nothing else: the
+    """A pre-norm GPT with the backbone of model.py (paper Sec. 2.2) and nothing else: the
     same parameters as GPT(cfg) with residual='preln' (state_dict names map by
     `plain_state_dict`). forward(idx, targets) -> (logits (B, T, V), mean cross-entropy in
     nats or None), as GPT. hc_streams > 0 wires the PyPI hyper-connections package (one

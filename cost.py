@@ -1,5 +1,5 @@
 """
-What depth costs (DESIGN §8; paper Sec. 4.4, Appendix D, Fig. 11): analytic forward
+What depth costs (paper Sec. 4.4, Appendix D, Fig. 11; docs/cost.md): analytic forward
 FLOPs, KV-cache bytes and parameter counts of every residual scheme, a cross-check of
 the FLOP formulas against torch.utils.flop_counter.FlopCounterMode, and measured
 prefill latency / peak memory / device-hours per 1B tokens.
@@ -18,7 +18,7 @@ against d/L; a validation-loss panel too when <results> or out/<family>/results.
 Conventions (one multiply-add = 2 FLOPs; norms, RoPE, softmax, residual adds and other
 elementwise work are not counted, as in the paper):
   - the table's prefill FLOPs use the study's convention, which reproduces its "3.0 ->
-    4.4 TFLOPs per sequence" (probes.md §9): causal attention 2T²d per layer (half of
+    4.4 TFLOPs per sequence" (Sec. 4.4, Fig. 11; docs/cost.md): causal attention 2T²d per layer (half of
     the T×T score and value products) and the LM head on the last position only;
   - flop_check() counts what the code executes: the full T×T attention (4T²d) and the
     LM head on all T positions;
@@ -52,7 +52,7 @@ import torch
 
 from model import GPT, GPTConfig, ffn_hidden_size
 
-# the main family's shapes (DESIGN §5), used when families.py is not importable
+# the main family's shapes (paper Table 3), used when families.py is not importable
 MAIN_SHAPES = ((16, 1216), (20, 1120), (24, 1024), (28, 960), (32, 896), (42, 800), (70, 640))
 # the ten schemes of the study (Table 1), in table order, and the classic extra rows
 STUDY_SCHEMES = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'attnres', 'blockattnres', 'moda')
@@ -66,7 +66,7 @@ ELEMENTWISE_SCHEMES = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'postln',
 BROADCAST_TERMS = ('read', 'mix', 'write', 'depth_scores', 'depth_values')
 
 # -----------------------------------------------------------------------------
-# analytic FLOPs (DESIGN §8, Appendix D)
+# analytic FLOPs (paper Sec. 4.4, Appendix D)
 
 
 def _heads(n_embd, n_head, n_kv_head):
@@ -84,11 +84,11 @@ def blockattnres_sources(n_layer, attnres_blocks=8, appendix_d=True):
     sublayers k = 1..2L-1 (0-based; block 0's attention reads the embedding directly)
     and the final aggregator last. N = attnres_blocks blocks of S = 2L / N sublayers.
 
-    appendix_d=True, the paper's count (Appendix D, DESIGN §8): sublayer k reads the
+    appendix_d=True, the paper's count (Appendix D): sublayer k reads the
       embedding, the floor(k / S) completed blocks and the running partial sum,
       2 + floor(k / S) sources; the final aggregator 1 + N. floor(k / S) is computed as
       floor(k N / 2L), so S need not be an integer (L = 42, 70).
-    appendix_d=False, what residuals.BlockAttnRes reads (schemes.md): at a boundary
+    appendix_d=False, what residuals.BlockAttnRes reads (paper Appendix A): at a boundary
       (k a multiple of S) the partial sum has just been frozen and is empty, so it is not
       a source: 1 + floor(k / S) + [k mod S != 0]. N - 1 sources fewer in all; S = 1 gives
       Full AttnRes's L(2L+3). N is capped at 2L and must divide 2L, as in the model.
@@ -114,7 +114,7 @@ def extra_flop_terms(residual, n_layer, n_embd, seq_len, *, n_head=16, n_kv_head
     seq_len tokens, split into named terms (dict name -> FLOPs; empty for schemes with
     no extra matrix work). One multiply-add = 2 FLOPs; per token, per sublayer:
 
-    HC (m streams, H in R^{m x d}; schemes.md): the dynamic coefficients tanh(H̄ W),
+    HC (m streams, H in R^{m x d}; paper Appendix A): the dynamic coefficients tanh(H̄ W),
       W in R^{d x (m+1)}, and tanh(H̄ w_beta), w_beta in R^d: 2·m·d·(m+2) ('dynamic');
       the branch input x = A_m^T H: 2md ('read'); the stream mix A_r^T H: 2m²d ('mix');
       the write beta ⊗ f: 2md ('write'). Sum 4·m·d·(m+2) per sublayer, so
@@ -132,7 +132,7 @@ def extra_flop_terms(residual, n_layer, n_embd, seq_len, *, n_head=16, n_kv_head
           ΔF_Block = 4Td·[Σ_{k=1}^{2L-1} (2 + floor(k/S)) + attnres_blocks + 1],  S = 2L/8;
       appendix_d=False counts the sources residuals.BlockAttnRes actually reads, which
       is 4Td·(attnres_blocks - 1) less (see blockattnres_sources).
-    MoDA (schemes.md): attention of block b >= 1 also scores each query against the 2b
+    MoDA (paper Appendix A): attention of block b >= 1 also scores each query against the 2b
       depth slots of its own token and mixes their values: 2·(2b)·d FLOPs each
       (all H query heads, GQA or not), so Σ_{b=1}^{L-1} 8bd = 4·d·L(L-1) per token
       ('depth_scores' + 'depth_values', 2·T·d·L(L-1) each); and the depth K/V projection
@@ -182,7 +182,7 @@ def extra_flop_terms(residual, n_layer, n_embd, seq_len, *, n_head=16, n_kv_head
 
 def extra_flops(residual, n_layer, n_embd, seq_len, **kw):
     """
-    ΔF of a scheme over Pre-LN: forward FLOPs of one T-token sequence (DESIGN §8,
+    ΔF of a scheme over Pre-LN: forward FLOPs of one T-token sequence (paper Sec. 4.4,
     Appendix D): HC 192·T·d·L, mHC 480·T·d·L (m = 4), Full AttnRes 4·T·d·L·(2L+3),
     Block AttnRes 4Td·[Σ_{k=1}^{2L-1}(2 + floor(k/b)) + 9] (b = 2L/8), MoDA
     4·T·d·(L-1)·(L + n_kv·hd), every other scheme 0 (norms and elementwise work are not
@@ -195,7 +195,7 @@ def extra_flops(residual, n_layer, n_embd, seq_len, **kw):
 def forward_flops(n_layer, n_embd, seq_len, *, residual='preln', ffn_hidden=None, n_head=16, n_kv_head=None,
                   vocab_size=50280, logits='last', attention='causal', **scheme_opts):
     """
-    Forward FLOPs of one sequence of T = seq_len tokens (DESIGN §8; one multiply-add =
+    Forward FLOPs of one sequence of T = seq_len tokens (paper Sec. 4.4; one multiply-add =
     2 FLOPs; norms, RoPE, softmax and elementwise work not counted):
 
         F = L · (F_proj + 6·T·d·d_ff + F_attn) + F_head + ΔF_scheme
@@ -211,7 +211,7 @@ def forward_flops(n_layer, n_embd, seq_len, *, residual='preln', ffn_hidden=None
 
     For MHA causal: F = L·(8Td² + 6T·d·d_ff + 2T²d) + F_head + ΔF. The defaults
     (logits='last', attention='causal', T = 4096) are the study's prefill convention
-    (probes.md §9): Full AttnRes L16/d1216 -> 2.99e12, L70/d640 -> 4.43e12.
+    (Fig. 11; docs/cost.md): Full AttnRes L16/d1216 -> 2.99e12, L70/d640 -> 4.43e12.
     ffn_hidden None = 16·ceil(8d/3 / 16). Units: FLOPs (int).
     Raises ValueError for a bad logits/attention value, head layout or scheme.
     """
@@ -246,7 +246,7 @@ def config_flops(cfg, seq_len, **kw):
 def kv_cache_bytes(n_layer, n_embd, seq_len, *, n_head=16, n_kv_head=None, bytes_per_elem=2, batch=1,
                    residual='preln', decode=False):
     """
-    Bytes of the KV cache of `batch` sequences of T = seq_len tokens (DESIGN §8):
+    Bytes of the KV cache of `batch` sequences of T = seq_len tokens (paper Sec. 4.4):
 
         2 (K and V) · L · T · n_kv · hd · bytes_per_elem · batch
 
@@ -276,9 +276,9 @@ def param_count(config):
     """
     Closed-form parameter count of GPT(config) (must equal model.num_params()).
 
-    Pre-LN (DESIGN §3): L·(2d² + 2·d·n_kv·hd + 3·d·d_ff + 2d) + 2·V·d + d, i.e.
+    Pre-LN (paper Sec. 2.2): L·(2d² + 2·d·n_kv·hd + 3·d·d_ff + 2d) + 2·V·d + d, i.e.
     L·(4d² + 3·d·d_ff + 2d) + 2Vd + d for MHA (q, k, v, o; SwiGLU; two RMSNorm gains per
-    block; untied embedding and LM head; final norm). Per scheme ΔN (schemes.md):
+    block; untied embedding and LM head; final norm). Per scheme ΔN (paper Appendix A; docs/schemes.md's table):
       Sandwich  +2Ld             an output RMSNorm per sublayer
       LNS, DeepNorm, Post-LN     0 (1/sqrt(l) is a constant; LayerNorm without bias has d gains)
       KEEL      +(2L-1)d          an outer norm on every sublayer but block 0's attention
@@ -439,7 +439,7 @@ def flop_check(config, seq_len, batch=1, device='meta'):
     return dict(counted=counted, analytic=analytic, missing=analytic - counted, by_op=by_op, terms=terms)
 
 # -----------------------------------------------------------------------------
-# measured prefill (Fig. 11, probes.md §9)
+# measured prefill (Fig. 11; docs/cost.md)
 
 
 def _rss_bytes():
@@ -503,7 +503,7 @@ def _measure_one(cfg_kw, batch, seq_len, device, dtype, warmup, iters, seed=0):
 def measure_prefill(schemes, shapes, batch=8, seq_len=4096, device='cuda', dtype=None, warmup=3, iters=10,
                     **config_kw):
     """
-    Measured prefill cost (Fig. 11; probes.md §9) of every (scheme, shape).
+    Measured prefill cost (Fig. 11; docs/cost.md) of every (scheme, shape).
 
     schemes: scheme names (registered in residuals.RESIDUALS); shapes: (L, d) pairs or
     (L, d, dict of extra GPTConfig keys, e.g. n_kv_head); config_kw: GPTConfig keys for
@@ -845,7 +845,7 @@ def _parse_shapes(text):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Analytic and measured cost of depth (DESIGN §8, Fig. 11).")
+    p = argparse.ArgumentParser(description="Analytic and measured cost of depth (paper Sec. 4.4, Appendix D, Fig. 11).")
     p.add_argument('--schemes', default=','.join(STUDY_SCHEMES), help='comma-separated scheme names')
     p.add_argument('--family', default='main', help='experiment family of families.py (its shapes)')
     p.add_argument('--shapes', default=None, help='LxD pairs instead of the family shapes, e.g. 16x1216,32x896')

@@ -1,7 +1,8 @@
 """
-Evaluation scoring of DepthBench §9 (paper, arXiv 2609.32534): ARC-Easy accuracy by
-comparing choice log-likelihoods (used by single-layer pruning, probes.md §4) and the
-completion-only domain NLL of coding / STEM / math (Fig. 4, probes.md §8).
+Evaluation scoring of DepthBench (paper, arXiv 2609.32534): ARC-Easy accuracy by
+comparing choice log-likelihoods (used by single-layer pruning, Fig. 8 left) and the
+completion-only domain NLL of coding / STEM / math (Fig. 4). Prompts, pair encoding and
+scoring: docs/probes.md, evaluations.
 
 Everything here is model-agnostic: a model is any callable
 
@@ -68,7 +69,7 @@ def load_tasks(names=NLL_TASKS, eval_dir=EVAL_DIR):
 # tokenization
 
 def encode_pair(enc, context, continuation):
-    """lm-eval's pair encoding (probes.md §4, §8): trailing whitespace of the context moves to
+    """lm-eval's pair encoding (docs/probes.md, evaluations): trailing whitespace of the context moves to
     the continuation; whole = encode(context + continuation); the continuation tokens are
     whole[len(encode(context)):]. No special tokens. An empty context becomes [enc.eot], as
     lm-eval does. Returns (ctx_ids, cont_ids), two lists of ints; raises ValueError if the
@@ -115,7 +116,7 @@ def _default_device(logits_fn):
 @torch.no_grad()
 def continuation_logprobs(logits_fn, enc, pairs, *, batch_size=8, max_len=2048, device=None, pad_id=None, progress=False,
                           desc='scoring'):
-    """Sum of log p(continuation tokens | context) for each pair (probes.md §4, §8).
+    """Sum of log p(continuation tokens | context) for each pair (docs/probes.md, evaluations).
 
     pairs: (context, continuation) strings, encoded with encode_pair, or (ctx_ids, cont_ids)
     token lists from prepare_pairs. Each sequence ctx + cont keeps its last max_len + 1 tokens
@@ -170,7 +171,7 @@ def continuation_logprobs(logits_fn, enc, pairs, *, batch_size=8, max_len=2048, 
 
 
 def arc_easy_accuracy(logits_fn, enc, items, *, pairs=None, batch_size=8, max_len=2048, device=None, progress=False):
-    """Zero-shot multiple-choice accuracy on ARC-Easy (probes.md §4, lm-eval arc_easy).
+    """Zero-shot multiple-choice accuracy on ARC-Easy (Fig. 8 left; docs/probes.md, evaluations; lm-eval arc_easy).
 
     Each choice is scored by the summed log-prob of " " + choice given "Question: ...\\nAnswer:".
     acc: argmax of the sums; acc_norm: argmax of sum / character length of the raw choice text
@@ -202,7 +203,7 @@ def arc_easy_accuracy(logits_fn, enc, items, *, pairs=None, batch_size=8, max_le
 
 
 def domain_nll(logits_fn, enc, tasks_data, *, pairs=None, batch_size=8, max_len=2048, device=None, progress=False):
-    """Completion-only NLL of the reference answers (Fig. 4, probes.md §8), in nats per token.
+    """Completion-only NLL of the reference answers (Fig. 4; docs/probes.md, evaluations), in nats per token.
 
     tasks_data: dict task -> items (e.g. load_tasks()); pairs: optional dict task -> prepare_pairs.
     Per task: nll = sum over examples of -log p(answer tokens) / total answer tokens (token-

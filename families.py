@@ -1,5 +1,6 @@
 """
-The experiment families of DepthBench (DESIGN §5, §6), each defined once, here.
+The experiment families of DepthBench (paper Tables 2, 3, 7–9; recipe Sec. 2.3, Table 4), each
+defined once, here (docs/families.md).
 
 Every run of the study is (family, scheme, L, d, extra config keys). This file holds
 the tables, the rules that derive the shapes not listed in our notes and the
@@ -32,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-VOCAB_SIZE = 50280  # GPT-2 BPE (50257) padded to the study's 50280 entries (DESIGN §3)
+VOCAB_SIZE = 50280  # GPT-2 BPE (50257) padded to the study's 50280 entries (paper Sec. 2.2)
 BYTE_VOCAB_SIZE = 257  # 'fineweb_edu_byte': 256 bytes + an end-of-text token
 
 # -----------------------------------------------------------------------------
@@ -40,7 +41,7 @@ BYTE_VOCAB_SIZE = 257  # 'fineweb_edu_byte': 256 bytes + an end-of-text token
 # `peak_lr` in residuals.py, the one place they are written
 
 SCHEMES = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'attnres', 'blockattnres', 'moda')
-HEADLINE = ('preln', 'attnres', 'hc')  # the three schemes of the headline comparison (DESIGN §1)
+HEADLINE = ('preln', 'attnres', 'hc')  # the three schemes of the paper's headline comparison (its abstract)
 
 
 def peak_lr(scheme):
@@ -61,7 +62,7 @@ def _scheme_lr():
 SCHEME_LR = _scheme_lr()  # {scheme: peak LR} of the schemes registered at import, for tables and plot order
 
 # -----------------------------------------------------------------------------
-# the pre-training recipe (DESIGN §6): one place for every family
+# the pre-training recipe (paper Sec. 2.3, Table 4): one place for every family
 
 BLOCK_SIZE = 2048   # context T
 BATCH_SIZE = 16     # micro-batch (sequences) per GPU per forward/backward
@@ -77,16 +78,16 @@ RECIPE = dict(
 )
 
 # -----------------------------------------------------------------------------
-# parameter counts (DESIGN §3)
+# parameter counts (paper Sec. 2.2, Table 3)
 
 def ffn_hidden(d):
-    """SwiGLU hidden width of the study: 16 * ceil(8d/3 / 16) (DESIGN §3). d: int -> int."""
+    """SwiGLU hidden width of the study: 16 * ceil(8d/3 / 16) (paper Sec. 2.2). d: int -> int."""
     return 16 * math.ceil(8 * d / 3 / 16)
 
 
 def backbone_params(L, d, d_ff=None, n_kv_head=None, n_head=16):
     """
-    Parameters of the L transformer blocks of a Pre-LN model (DESIGN §3), i.e. the total
+    Parameters of the L transformer blocks of a Pre-LN model (paper Sec. 2.2), i.e. the total
     without the embedding, LM head and final norm: L·(attn + 3·d·d_ff + 2d), with
     attn = 2d² (q, o) + 2·d·n_kv·head_dim (k, v), which is 4d² for MHA. This is the
     paper's "backbone" column (Table 3: L=16, d=1216 -> 284M). Other schemes add
@@ -104,7 +105,7 @@ def backbone_params(L, d, d_ff=None, n_kv_head=None, n_head=16):
 
 def param_count_preln(L, d, V=VOCAB_SIZE, d_ff=None, n_kv_head=None, n_head=16):
     """
-    Total parameters of a Pre-LN model (DESIGN §3): backbone + 2·V·d (untied embedding
+    Total parameters of a Pre-LN model (paper Sec. 2.2): backbone + 2·V·d (untied embedding
     and LM head) + d (final norm) = L·(4d² + 3·d·d_ff + 2d) + 2Vd + d for MHA.
     Reproduces Table 3's total column (L=24, d=1024 -> 405.41M). Same errors as backbone_params.
     """
@@ -125,7 +126,7 @@ def fixed_backbone_width(L, backbone=300e6, multiple=32):
 
 def cross_scale_shape(total, ratio, tol=0.05, multiple=32):
     """
-    (L, d) of the cross-scale family (DESIGN §5) for a target total parameter count and
+    (L, d) of the cross-scale family (paper Tables 7–9, docs/families.md) for a target total parameter count and
     width/depth ratio r = d/L. Rule: among all integer L and d a multiple of 32 (so the
     16 heads have an even head_dim, as RoPE needs) whose Pre-LN total
     (param_count_preln) is within `tol` (5%) of the target, take the one whose d/L is

@@ -1,5 +1,5 @@
 """
-The shared DepthBench backbone (DESIGN §3): a LLaMA-like decoder-only transformer.
+The shared DepthBench backbone (paper Sec. 2.2): a LLaMA-like decoder-only transformer.
 
 Token embedding -> L blocks of (attention, SwiGLU MLP) -> final RMSNorm -> untied LM
 head. RMSNorm, RoPE (theta 10000), MHA or GQA through F.scaled_dot_product_attention,
@@ -16,7 +16,7 @@ together (norms, residual adds, streams, depth attention) belongs to the scheme 
     logits = lm_head(scheme.readout(h, norm_f))  # readout: the final norm, (B, T, d); default norm_f(h)
 
 so skipping, swapping or dropping blocks is just another `order` / `skip` for every
-scheme alike (the diagnostics of DESIGN §7 use exactly that).
+scheme alike (the diagnostics of the paper's Sec. 4 use exactly that).
 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, residual='attnres'))
@@ -33,13 +33,13 @@ import torch.nn.functional as F
 
 
 def ffn_hidden_size(n_embd):
-    """SwiGLU hidden width of the study, 16 * ceil(8d/3 / 16) (DESIGN §3)."""
+    """SwiGLU hidden width of the study, 16 * ceil(8d/3 / 16) (paper Sec. 2.2)."""
     return 16 * math.ceil(8 * n_embd / 3 / 16)
 
 
 @dataclass
 class GPTConfig:
-    # backbone (DESIGN §3)
+    # backbone (paper Sec. 2.2)
     vocab_size: int = 50280        # GPT-2 BPE has 50257 tokens; padded to the study's 50280
     block_size: int = 1024         # maximum sequence length T
     n_layer: int = 12              # L blocks = 2L sublayers
@@ -211,7 +211,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Every tensor's initial value, in one place (schemes.md "default init"):
+        """Every tensor's initial value, in one place (docs/schemes.md, the backbone):
         - wte, lm_head and every Linear of the blocks (wq, wk, wv, wo, w_gate, w_up, w_down):
           normal(0, init_std) truncated at +-3 std; no depth-scaled output init;
         - norm_f gain: 1;
@@ -246,10 +246,10 @@ class GPT(nn.Module):
         order: block indices to run, in order (default range(n_layer)); dropping a block
             is an order without it, swapping two blocks is an order with them exchanged.
             The parameters of a block travel with its index.
-        skip: block indices to *skip* with the scheme's skip rule (probes.md §2): the block
+        skip: block indices to *skip* with the scheme's skip rule (docs/probes.md): the block
             keeps its place in the order but contributes nothing.
         record: if a list, (probe_state, lens_state) after the embedding and after each
-            block (len(order) + 1 entries) is appended to it (DESIGN §2, probes.md §0, §5).
+            block (len(order) + 1 entries) is appended to it (docs/probes.md, depth and lens states).
         """
         B, T = idx.shape
         if T > self.config.block_size:
@@ -287,7 +287,7 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, eps=1e-8, device_type='cpu',
                              decay_on='all'):
         """AdamW with two groups, decayed (weight_decay) and not (0), chosen by `decay_on`:
-        'all' (default, the study's optimizer: one AdamW over every parameter, DESIGN §6):
+        'all' (default, the study's optimizer: one AdamW over every parameter, paper Sec. 2.3):
             every parameter decays (embedding, LM head, linear weights, norm gains, AttnRes
             queries and key gains, MoDA W_kv, HC dynamic projections and scales, mHC phi)
             except those the scheme exempts in `no_weight_decay()` (the study's

@@ -1,7 +1,7 @@
 """
 The numerical core of the schemes that need more than a residual add: AttnRes's depth
 softmax, HC/mHC's normed routing projection and mHC's Sinkhorn projection, and MoDA's
-joint sequence-and-depth attention (DESIGN §4, schemes.md). residuals.py wires them
+joint sequence-and-depth attention (paper Table 1, Appendix A; docs/schemes.md). residuals.py wires them
 into the schemes; this file is only the math, on plain tensors.
 
 Each operation has its formula, shapes and dtypes in its docstring, and most come in two
@@ -33,7 +33,7 @@ def _promoted_dtype(tensors):
 
 class DepthMixFunction(torch.autograd.Function):
     """The AttnRes read of `depth_mix` with a hand-written backward (arXiv 2603.15031;
-    schemes.md "Full AttnRes", cost notes). Call as
+    paper Appendix A; memory: docs/performance.md). Call as
 
         z, a = DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
 
@@ -137,7 +137,7 @@ def depth_mix_reference(sources, inv_rmses, query, key_gain):
 
 
 def depth_mix(sources, inv_rmses, query, key_gain):
-    """Depth attention of AttnRes (arXiv 2603.15031; DESIGN §4):
+    """Depth attention of AttnRes (arXiv 2603.15031; paper Table 1, Appendix A):
 
         e_i = w^T RMSNorm_key(v_i) = (v_i . (w * g)) / rms(v_i),   a = softmax_i(e),   z = sum_i a_i v_i
 
@@ -425,7 +425,7 @@ class MergeDepthFunction(torch.autograd.Function):
 
 
 def depth_attention(q, k, v, depth_k, depth_v, method=None):
-    """The joint sequence-and-depth attention of MoDA (arXiv 2603.15619; schemes.md "MoDA"):
+    """The joint sequence-and-depth attention of MoDA (arXiv 2603.15619; paper Appendix A; docs/schemes.md):
 
         a_t = softmax([q_t . k_s, s <= t  |  q_t . K_depth[t, j], j < S] / sqrt(hd))
         y_t = sum_{s<=t} a_ts v_s + sum_{j<S} a_tj V_depth[t, j]

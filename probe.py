@@ -1,6 +1,6 @@
 """
-Depth-utilization diagnostics and evaluations of DepthBench (DESIGN §7, §9; Sec. 4 of the
-paper, arXiv 2609.32534), for every residual scheme, following probes.md.
+Depth-utilization diagnostics and evaluations of DepthBench (Sec. 4 of the paper, arXiv
+2609.32534, Eqs. 2–10, Figs. 4–11), for every residual scheme; the conventions are in docs/probes.md.
 
     python probe.py --ckpt=out/mini/preln_L4/ckpt.pt                       # every metric
     python probe.py --ckpt=out/hc_L32/ckpt.pt --metrics=angular,causal,permutation
@@ -13,15 +13,15 @@ checkpoint). With --compare, each checkpoint gets its own probe/ (a probe.json m
 instead of a checkpoint, to reuse earlier results) and the overlays go to --out_dir.
 
 Metrics (--metrics=all or a comma list):
-    angular        angular distance between depth states, Eq. 2, Fig. 5 style heatmap (probes.md §1)
-    causal         skip-one-block causal score C(s, l), Eq. 3, and R_causal, Eqs. 5-6 (§2)
-    permutation    swap-two-blocks loss change P(l1, l2), Eq. 4, and R_perm, Eqs. 7-8 (§3)
-    path_weights   explicit source -> reader residual weights, Fig. 7 (§6)
-    block_weights  Block AttnRes weight on the running partial sum, Fig. 9 (§6)
-    logit_lens     KL(p_final || p_l), early-exit CE, top-5 overlap per depth state, Fig. 8 right (§5)
-    prune          ARC-Easy acc / acc_norm with each block skipped, Fig. 8 left (§4)
-    propagation    HC/mHC stream-mixing product: erank, mean |cos|, spectrum, Fig. 10, Eqs. 9-10 (§7)
-    domain_nll     completion NLL on coding / STEM / math, Fig. 4 (§8)
+    angular        angular distance between depth states, Eq. 2, Fig. 5 style heatmap
+    causal         skip-one-block causal score C(s, l), Eq. 3, and R_causal, Eqs. 5-6
+    permutation    swap-two-blocks loss change P(l1, l2), Eq. 4, and R_perm, Eqs. 7-8
+    path_weights   explicit source -> reader residual weights, Fig. 7
+    block_weights  Block AttnRes weight on the running partial sum, Fig. 9
+    logit_lens     KL(p_final || p_l), early-exit CE, top-5 overlap per depth state, Fig. 8 right
+    prune          ARC-Easy acc / acc_norm with each block skipped, Fig. 8 left
+    propagation    HC/mHC stream-mixing product: erank, mean |cos|, spectrum, Fig. 10, Eqs. 9-10
+    domain_nll     completion NLL on coding / STEM / math, Fig. 4
 Metrics that do not apply to a scheme (propagation for Pre-LN) are skipped with a notice.
 
 Interventions reuse prefixes: a skipped, swapped or dropped block leaves every block before
@@ -53,10 +53,10 @@ REPO_ROOT = Path(__file__).resolve().parent
 # default token budgets per metric: (n_windows, seq_len), clipped to the model's block_size
 
 DEFAULT_WINDOWS = {
-    'angular': (128, 512),       # probes.md §1 (release defaults)
-    'causal': (16, 256),         # probes.md §2
-    'permutation': (12, 256),    # probes.md §3
-    'logit_lens': (32, 512),     # probes.md §5
+    'angular': (128, 512),       # the study's release defaults (docs/probes.md)
+    'causal': (16, 256),         # Eq. 3
+    'permutation': (12, 256),    # Eq. 4
+    'logit_lens': (32, 512),     # Fig. 8 right
     'path_weights': (16, 512),   # not in the study's code: our choice
     'block_weights': (16, 512),  # not in the study's code: our choice
     'propagation': (64, 512),    # not in the study's code: 64 windows = 64 bootstrap units
@@ -134,7 +134,7 @@ def tokenizer_name_for(ckpt, val_bin=None):
 
 
 def sample_windows(val_bin, n_windows, seq_len, seed=42):
-    """Random contiguous windows of the held-out split (probes.md §0): starts drawn uniformly
+    """Random contiguous windows of the held-out split (docs/probes.md, windows): starts drawn uniformly
     with numpy default_rng(seed), not aligned to documents, may contain EOT tokens, no BOS.
     val_bin: flat uint16 token file. Returns int64 tensor (n_windows, seq_len).
     Raises FileNotFoundError if absent, ValueError if it holds fewer than seq_len tokens."""
@@ -258,7 +258,7 @@ def effective_rank(M):
 
 
 def mean_abs_cosine(M):
-    """Mean |cos| over the m(m-1)/2 pairs of columns of M (Eq. 10; probes.md §7: the columns
+    """Mean |cos| over the m(m-1)/2 pairs of columns of M (Eq. 10; docs/probes.md: the columns
     of the propagation product, one R^m direction per output stream). M: (..., m, m) -> (...)."""
     m = M.size(-1)
     if m < 2:
@@ -295,11 +295,11 @@ def late_pairs(n_layer, start_frac=LATE_START_FRAC):
     return [(s, l) for s in range(s0, n_layer) for l in range(s + 1, n_layer)]
 
 # -----------------------------------------------------------------------------
-# representation geometry and interventions (probes.md §1-§3)
+# representation geometry and interventions (paper Sec. 4, Eqs. 2-4)
 
 @torch.no_grad()
 def angular_distance(model, windows, batch_size=BATCH_SIZE, progress=False):
-    """Angular distance between depth states (DESIGN §7 Eq. 2, probes.md §1).
+    """Angular distance between depth states (paper Eq. 2; depth states: docs/probes.md).
 
     For every pair of depth states z_i, z_j (i < j, i = 0 the embedding; z = residual.probe,
     HC/mHC in R^{m d}), d(i, j) = arccos(clamp(cos(z_i, z_j))) / pi per token, summed over every
@@ -329,7 +329,7 @@ def angular_distance(model, windows, batch_size=BATCH_SIZE, progress=False):
 
 @torch.no_grad()
 def causal_scores(model, windows, batch_size=BATCH_SIZE, reuse=True, progress=False):
-    """Causal score of skipping block s on each later block l (DESIGN §7 Eq. 3, probes.md §2).
+    """Causal score of skipping block s on each later block l (paper Eq. 3; skip rule: docs/probes.md).
 
     u_l = z_{l+1} - z_l from the clean run, u-bar_l from the run with block s skipped (the
     scheme's skip rule: identity for the residual family and HC, source removal plus the
@@ -368,12 +368,12 @@ def causal_scores(model, windows, batch_size=BATCH_SIZE, reuse=True, progress=Fa
 
 @torch.no_grad()
 def permutation_scores(model, windows, batch_size=BATCH_SIZE, pairs=None, reuse=True, progress=False):
-    """Permutation score of swapping blocks i < j (DESIGN §7 Eq. 4, probes.md §3):
+    """Permutation score of swapping blocks i < j (paper Eq. 4; swap rule: docs/probes.md):
     P(i, j) = |L_swap(i, j) - L| / L, L the token-weighted mean next-token cross-entropy (nats)
     over all T-1 predictions of every window, the same windows before and after the swap.
     A swap is the order with i and j exchanged; the parameters of a block (its norms, HC/mHC
     routing, LNS factor, AttnRes MLP-side and output-side mixers) travel with its index, which
-    gives probes.md's swap semantics for every scheme (AttnResLayer docstring).
+    gives the study's swap rule (docs/probes.md) for every scheme (AttnResLayer docstring).
     pairs: list of (i, j), default all i < j. reuse: continue the clean state after blocks
     0..i-1 (PrefixRunner); same numbers as re-running them.
     Returns {'P': (L, L) array (NaN off the pairs), 'loss': L, 'loss_swap': (L, L) array,
@@ -407,7 +407,7 @@ def permutation_scores(model, windows, batch_size=BATCH_SIZE, pairs=None, reuse=
 
 def late_pair_ratio(C=None, P=None, causal_threshold=CAUSAL_THRESHOLD, perm_threshold=PERM_THRESHOLD,
                     start_frac=LATE_START_FRAC):
-    """Late-layer interdependence ratios (DESIGN §7 Eqs. 5-8, probes.md §2-§3):
+    """Late-layer interdependence ratios (paper Eqs. 5-8):
     S_late = {(s, l): s >= ceil(L * start_frac), l > s} (0-based); R_causal = share of S_late
     with C(s, l) > causal_threshold, R_perm = share with P(s, l) > perm_threshold (strict).
     C, P: (L, L) arrays from causal_scores / permutation_scores (either may be None). Pairs
@@ -429,7 +429,7 @@ def late_pair_ratio(C=None, P=None, causal_threshold=CAUSAL_THRESHOLD, perm_thre
     return out
 
 # -----------------------------------------------------------------------------
-# explicit residual weights (probes.md §6, §7): dispatch on what the scheme's trace records
+# explicit residual weights (paper Figs. 7, 9, 10): dispatch on what the scheme's trace records
 
 def trace_keys(model):
     """The tensor names a scheme records while traced ('weights', 'current' for AttnRes / Block
@@ -445,7 +445,7 @@ def _sorted_tape(tape):
 
 
 def hc_path_weights(tape, n_layer):
-    """Per-token path weights of HC / mHC, averaged over tokens (Fig. 7, probes.md §6):
+    """Per-token path weights of HC / mHC, averaged over tokens (Fig. 7; docs/probes.md, path weights):
 
         w_{i->l} = beta_i^T A^{(i+1)} ... A^{(l-1)} a^{(l)}
 
@@ -473,7 +473,7 @@ def hc_path_weights(tape, n_layer):
 
 
 def attnres_path_weights(tape, n_layer, block_size=1):
-    """Token-averaged AttnRes depth-softmax weights as a source -> reader matrix (Fig. 7, §6).
+    """Token-averaged AttnRes depth-softmax weights as a source -> reader matrix (Fig. 7).
     Reader l = 2b + j (the final aggregator is recorded as block L, sublayer 0 -> l = 2L); its
     sources are the embedding and the outputs of sublayers 0..l-1. For Block AttnRes (fewer
     sources than l + 1) each sublayer output gets the weight of the block sum that contains it
@@ -505,7 +505,7 @@ def _attnres_block_size(model):
 
 @torch.no_grad()
 def path_weights(model, windows, batch_size=BATCH_SIZE, progress=False):
-    """Explicit residual-path weights (Fig. 7, probes.md §6): W[l, i] = weight of source i
+    """Explicit residual-path weights (Fig. 7): W[l, i] = weight of source i
     (0 = embedding, i = output of sublayer i-1) in the input of reader l (sublayer l, 2L = the
     final readout), for i <= l; NaN elsewhere. Dispatch on the trace:
     - no coefficients (residual family): every residual add has weight 1, W = lower-triangular
@@ -536,7 +536,7 @@ def path_weights(model, windows, batch_size=BATCH_SIZE, progress=False):
 @torch.no_grad()
 def block_weights(model, windows, batch_size=BATCH_SIZE, dead_threshold=0.1, progress=False):
     """Block AttnRes weight on the current running partial sum vs the other sources, per
-    sublayer (Fig. 9, probes.md §6), token-averaged. Needs the trace's 'current' (index of the
+    sublayer (Fig. 9), token-averaged. Needs the trace's 'current' (index of the
     partial sum among the read's sources, -1 at a block boundary where it is empty).
     Returns {'current', 'embedding', 'frozen': lists over readers l = 0..2L (NaN where there is
     no record / no partial sum), 'boundaries': readers with no partial sum, 'weights': per reader
@@ -579,11 +579,11 @@ def block_weights(model, windows, batch_size=BATCH_SIZE, dead_threshold=0.1, pro
             'boundaries': sorted(boundaries), 'dead_sublayers': dead, 'dead_threshold': dead_threshold}
 
 # -----------------------------------------------------------------------------
-# LogitLens and HC/mHC propagation (probes.md §5, §7)
+# LogitLens and HC/mHC propagation (paper Figs. 8 right, 10)
 
 @torch.no_grad()
 def logit_lens(model, windows, batch_size=BATCH_SIZE, progress=False):
-    """LogitLens (Fig. 8 right, probes.md §5): p_l = softmax(model.head(r_l)) for the lens state
+    """LogitLens (Fig. 8 right; lens states: docs/probes.md): p_l = softmax(model.head(r_l)) for the lens state
     r_l (residual.lens: the residual stream, HC/mHC's streams, the AttnRes mix the next
     read produces; model.head decodes it with the scheme's readout) after l = 0..L blocks;
     p_final = the model's actual output. Per next-token position 0..T-2, token-weighted
@@ -626,7 +626,7 @@ def propagation_products(tape):
 
 @torch.no_grad()
 def propagation_stats(model, windows, batch_size=BATCH_SIZE, n_boot=1000, seed=0, progress=False):
-    """HC / mHC signal propagation (Fig. 10, DESIGN §7 Eqs. 9-10, probes.md §7). Per token, the
+    """HC / mHC signal propagation (Fig. 10, paper Eqs. 9-10; docs/probes.md). Per token, the
     product P of the 2L per-sublayer mixing matrices (dynamic coefficients), then
     effective_rank(P), mean_abs_cosine(P) (columns) and normalized_spectrum(P).
     Bootstrap unit ("document"): one eval window; our choice, since windows are random spans of
@@ -653,11 +653,11 @@ def propagation_stats(model, windows, batch_size=BATCH_SIZE, n_boot=1000, seed=0
     return out
 
 # -----------------------------------------------------------------------------
-# evaluations (probes.md §4, §8) through evals.py
+# evaluations (paper Figs. 4, 8 left; docs/probes.md) through evals.py
 
 @torch.no_grad()
 def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
-    """Single-block pruning on ARC-Easy (Fig. 8 left, probes.md §4): zero-shot accuracy of the
+    """Single-block pruning on ARC-Easy (Fig. 8 left; docs/probes.md, evaluations): zero-shot accuracy of the
     full model and of the model with each block l skipped (the skip rule of causal_scores),
     scored by evals.arc_easy_accuracy (sum of continuation log-probs; acc_norm per character).
     Items are scored chunk_items at a time; within a chunk the clean states of every batch are
@@ -698,7 +698,7 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
 
 @torch.no_grad()
 def domain_nll(model, enc, eval_dir=evals.EVAL_DIR, batch_size=8, tasks=evals.NLL_TASKS, progress=False, limit=None):
-    """Completion-only NLL per task and category (Fig. 4, probes.md §8) via evals.domain_nll:
+    """Completion-only NLL per task and category (Fig. 4; docs/probes.md, evaluations) via evals.domain_nll:
     nats per answer token, token-weighted per task; category 'nll' = unweighted mean of its
     tasks, 'nll_pooled' = token-weighted. Context limit = the model's block_size (left
     truncation). Absent tasks are skipped with a notice and listed in 'skipped'.
@@ -929,7 +929,7 @@ def main(argv=None):
     p.add_argument('--n_windows', type=int, default=None, help="override every metric's window count")
     p.add_argument('--seq_len', type=int, default=None, help="override every metric's window length")
     p.add_argument('--batch_size', type=int, default=BATCH_SIZE, help="windows per micro-batch")
-    p.add_argument('--seed', type=int, default=42, help="window sampling seed (probes.md §0)")
+    p.add_argument('--seed', type=int, default=42, help="window sampling seed (the study's: 42)")
     p.add_argument('--val_bin', default=None, help="held-out tokens; default data/<dataset>/val.bin")
     p.add_argument('--tokenizer', default=None,
                    help="gpt2, byte or path/to/tokenizer.json; default: from the dataset's meta.json or the checkpoint")

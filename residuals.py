@@ -1,5 +1,5 @@
 """
-The residual schemes of DepthBench (DESIGN §4, schemes.md): one class each, one
+The residual schemes of DepthBench (paper Table 1, Appendix A; docs/schemes.md): one class each, one
 registry `RESIDUALS` (name -> class) that `GPTConfig.residual` selects from.
 
 A scheme owns the wiring between the 2L branches of the backbone (model.py holds the
@@ -12,17 +12,17 @@ The interface every scheme implements (`Residual`):
 
     state = begin(x)                     x: token embedding (B, T, d)
     state = block(state, b, layer, rope) run block b: layer.attn(x, rope), layer.mlp(x)
-    state = skip(state, b)               the study's "skip block b" rule (probes.md §2)
+    state = skip(state, b)               the study's "skip block b" rule (docs/probes.md, skip rule)
     h     = end(state)                   the readout state: (B, T, d), or HC/mHC's streams (B, T, m, d)
     y     = readout(h, norm_f)           (B, T, d), the LM head's input: the final RMSNorm applied
                                          where the scheme applies it (default norm_f(h); HC: on
                                          each stream, then summed, as the study's code does)
     probe(state), lens(state)            the depth state z_l and the LogitLens readout r_l
-                                         after the blocks run so far (probes.md §0, §5)
+                                         after the blocks run so far (docs/probes.md, depth and lens states)
 
 Parameters of block b live in `self.layers[b]` (and are looked up by b, never by the
 position in the order), so when a diagnostic swaps two blocks, each block's weights,
-norms and routing parameters travel with it (probes.md §3).
+norms and routing parameters travel with it (docs/probes.md, swap rule).
 
 States are never modified in place: a diagnostic may keep the state after a shared
 prefix of blocks and continue it several times (probe.py).
@@ -50,7 +50,7 @@ class Residual(nn.Module):
     """Base class of the schemes. Subclasses implement begin/block/end and may override
     skip/probe/lens. The default state is one residual stream h (B, T, d)."""
 
-    peak_lr = 2e-3  # the study's peak learning rate for this scheme (DESIGN §6)
+    peak_lr = 2e-3  # the study's peak learning rate for this scheme (paper Sec. 2.3, Table 4)
 
     def __init__(self, cfg):
         super().__init__()
@@ -122,7 +122,7 @@ class PreNormLayer(nn.Module):
 class SingleStream(Residual):
     """A scheme with one residual stream h (B, T, d) whose two sublayers differ only in
     the update rule `sublayer(h, b, j, f)`, j = 0 for attention, 1 for the MLP, f the
-    branch function. probe = lens = h (probes.md §0, residual family)."""
+    branch function. probe = lens = h (docs/probes.md, depth states: residual family)."""
 
     def sublayer(self, h, b, j, f):
         raise NotImplementedError
@@ -136,7 +136,7 @@ class SingleStream(Residual):
 # Pre-LN
 
 class PreLN(SingleStream):
-    """Pre-LN (Xiong et al. 2020, arXiv 2002.04745), the baseline of DESIGN §4:
+    """Pre-LN (Xiong et al. 2020, arXiv 2002.04745), the baseline of the paper's Table 1:
 
         h <- h + F(RMSNorm(h))
 
@@ -182,7 +182,7 @@ class AttnResLayer(PreNormLayer):
     mixer that reads block b's *output*: the input of block b+1's attention, or, for the
     last block, the final aggregator. (Block 0's attention reads the embedding directly,
     so every read has exactly one owner and a swap moves a block's MLP-side and
-    output-side mixers with it, as in probes.md §3.)"""
+    output-side mixers with it, as the swap rule of docs/probes.md says.)"""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -191,7 +191,7 @@ class AttnResLayer(PreNormLayer):
 
 
 class AttnRes(Residual):
-    """Full Attention Residuals (arXiv 2603.15031; schemes.md "Full AttnRes").
+    """Full Attention Residuals (arXiv 2603.15031; paper Appendix A).
 
     Sources v_0 = token embedding, v_{k+1} = raw output of sublayer k. Sublayer k reads
 
@@ -209,8 +209,8 @@ class AttnRes(Residual):
     the embedding alone keeps cfg.norm_eps (1e-6). attnres_eps = norm_eps gives one eps.
 
     State: (sources, their 1/rms, mix) where mix is the raw depth mix the next block's
-    attention reads: probe and lens state z_l (probes.md §0, §5).
-    Skip rule (probes.md §2): a skipped block adds no sources, and the next read is the
+    attention reads: probe and lens state z_l (docs/probes.md, depth and lens states).
+    Skip rule (docs/probes.md): a skipped block adds no sources, and the next read is the
     identity on the newest source. Unlike the study's code, skipping block 0 does not put
     the embedding into the bank twice.
     """
@@ -297,8 +297,8 @@ class MultiStream(Residual):
     the last one (its KL to the output is 0 after the last block). The study's analysis
     code (depth_probes.decode_readout) instead decodes RMSNorm_f(reduce(H)), the sum (the
     mean for mHC); for HC that differs from its own readout. probe = the m streams
-    concatenated (B, T, m d) (probes.md §0, §5); skip = identity on all streams, no mixing
-    and no write (probes.md §2). Trace per sublayer: read r (B, T, m), mix M (B, T, m, m) with new
+    concatenated (B, T, m d) (docs/probes.md, depth states); skip = identity on all streams, no mixing
+    and no write (docs/probes.md, skip rule). Trace per sublayer: read r (B, T, m), mix M (B, T, m, m) with new
     stream t = sum_s M[s, t] H[s], write w (B, T, m).
 
     The routing runs with autocast off, in the streams' dtype (fp32 under bf16 autocast,
@@ -396,7 +396,7 @@ class HCRoute(nn.Module):
 
 class HC(MultiStream):
 
-    """Hyper-Connections (Zhu et al., arXiv 2409.19606, dynamic variant; schemes.md "HC").
+    """Hyper-Connections (Zhu et al., arXiv 2409.19606, dynamic variant; paper Appendix A).
 
     m streams H (B, T, m, d). Sublayer k, with H_bar = RMS(H) per stream (no weight, eps 1e-8):
 
@@ -417,7 +417,8 @@ class HC(MultiStream):
     are exempt; the dynamic projections and the scales s_alpha, s_beta decay.
 
     Differences from the study's code: A_r is applied (one public version of
-    `hyper_connections.py` computed it and dropped it, probes.md §7; the later one applies
+    `hyper_connections.py` computed it and dropped it, though the paper's Fig. 10 effective ranks below m imply it
+    acted; the later one applies
     it, as here); the study keeps parameters and streams in bf16, here the weights are fp32
     and the routing runs in the streams' dtype with autocast off (fp32 under bf16 autocast).
     Readout: see MultiStream ('norm_sum', the study's code, by default).
@@ -475,7 +476,7 @@ LIGER_SINKHORN_EPS = 1e-6  # liger_kernel's mHC sinkhorn_eps (LigerHyperConnecti
 
 
 class MHC(MultiStream):
-    """Manifold-Constrained Hyper-Connections (DeepSeek, arXiv 2512.24880; schemes.md "mHC").
+    """Manifold-Constrained Hyper-Connections (DeepSeek, arXiv 2512.24880; paper Appendix A).
 
     m streams H (B, T, m, d). Sublayer k, with x' = RMS(vec H) (one statistic over all m d
     numbers, no weight, eps cfg.norm_eps) and [l_pre | l_post | l_res] = x' phi (no tanh):
@@ -591,7 +592,7 @@ class BlockState(NamedTuple):
 
 
 class BlockAttnRes(AttnRes):
-    """Block Attention Residuals (arXiv 2603.15031; DESIGN §4, schemes.md "Block AttnRes").
+    """Block Attention Residuals (arXiv 2603.15031; paper Table 1, Appendix A).
 
     As Full AttnRes (same parameters: a zero-init pseudo-query and a key-norm gain per
     read, same `depth_mix`), but the sources are block sums. The 2L sublayers form
@@ -611,15 +612,15 @@ class BlockAttnRes(AttnRes):
 
     Boundaries are positions in the run: k counts the sublayers of the blocks run or
     skipped so far, so a swapped block uses the boundaries of the place it runs in (the
-    architecture stays fixed, probes.md §3) and a dropped block shifts later positions.
+    architecture stays fixed: docs/probes.md, swap rule) and a dropped block shifts later positions.
 
-    probe z_l (probes.md §0): the raw mix of block l's attention read when that read is
+    probe z_l (docs/probes.md, depth states): the raw mix of block l's attention read when that read is
     a boundary, else the running partial sum (the plain block output; the mix if the
     partial sum is empty, which only a skip can cause). lens: the raw mix of block l's
-    attention read, for every block (probes.md §5). Trace per read: `weights`
+    attention read, for every block (docs/probes.md, lens states). Trace per read: `weights`
     (n_sources, B, T) and `current` (index of P among the sources, -1 if not among them).
 
-    Skip (probes.md §2, adapted): the skipped block adds nothing and passes P through;
+    Skip (docs/probes.md, skip rule, adapted): the skipped block adds nothing and passes P through;
     the boundaries inside it still freeze P. If the next read is a boundary it becomes
     the identity on the newest source (the next-output rule); otherwise it is the usual
     mix (with the skipped block's output-side mixer, which in the study's layout is the
@@ -739,7 +740,7 @@ def per_block(cfg, **parts):
 
 
 class Sandwich(SingleStream):
-    """Sandwich-LN (CogView, arXiv 2105.13290; the study's Peri-LN block), DESIGN §4:
+    """Sandwich-LN (CogView, arXiv 2105.13290; the study's Peri-LN block), paper Table 1:
 
         h <- h + RMSNorm_out(F(RMSNorm_in(h)))
 
@@ -756,16 +757,16 @@ class Sandwich(SingleStream):
 
 
 class LNS(PreLN):
-    """LayerNorm Scaling ("The Curse of Depth in LLMs", arXiv 2502.05795), DESIGN §4:
+    """LayerNorm Scaling ("The Curse of Depth in LLMs", arXiv 2502.05795), paper Table 1:
 
         h <- h + F(RMSNorm(h) / sqrt(b + 1))
 
     for both sublayers of block b (0-based, so the divisor is the root of the 1-based
     index). The factor is a constant of block b, not a parameter; it travels with the
-    block when an order moves it (probes.md §3, the study's release). The final norm is
+    block when an order moves it (docs/probes.md, swap rule, as in the study's release). The final norm is
     unscaled. No parameters beyond Pre-LN's: with L = 1 it is Pre-LN."""
 
-    peak_lr = 1e-2  # DESIGN §6
+    peak_lr = 1e-2  # paper Table 4
 
     def sublayer(self, h, b, j, f):
         scale = 1.0 / math.sqrt(b + 1)
@@ -773,12 +774,12 @@ class LNS(PreLN):
 
 
 class PostLN(SingleStream):
-    """Post-LN (Vaswani et al. 2017, arXiv 1706.03762), schemes.md "beyond the ten":
+    """Post-LN (Vaswani et al. 2017, arXiv 1706.03762), one of the classic schemes beyond the paper's ten (docs/schemes.md):
 
         h <- LN(alpha * h + F(h)),   alpha = 1, LN = RMSNorm
 
     The block norms (attn_post_norm, mlp_post_norm) follow the residual add, so every
-    block output is normalised and is the probe and lens state (probes.md §0). The
+    block output is normalised and is the probe and lens state (docs/probes.md, depth states). The
     embedding enters block 0 unnormalised; the final RMSNorm stays. Same parameter count
     as Pre-LN. Subclasses change `alpha` and `make_norm` (DeepNorm)."""
 
@@ -797,7 +798,7 @@ class PostLN(SingleStream):
 
 
 class DeepNorm(PostLN):
-    """DeepNorm (DeepNet, arXiv 2203.00555, Eq. of §3; reference microsoft/torchscale), DESIGN §4:
+    """DeepNorm (DeepNet, arXiv 2203.00555, Eq. of §3; reference microsoft/torchscale), paper Table 1:
 
         h <- LN(alpha * h + F(h)),   alpha = (2L)^(1/4)
 
@@ -807,7 +808,7 @@ class DeepNorm(PostLN):
     beta = (8L)^(-1/4) after the default init, so their std is beta * init_std; the query
     and key projections keep init_std."""
 
-    peak_lr = 1e-3  # DESIGN §6: at 2e-3 it diverged in the study
+    peak_lr = 1e-3  # paper Table 4: at 2e-3 it diverged in the study
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -829,7 +830,7 @@ class DeepNorm(PostLN):
 
 
 class KEEL(SingleStream):
-    """KEEL ("Post-LayerNorm Is Back", arXiv 2601.19895), DESIGN §4:
+    """KEEL ("Post-LayerNorm Is Back", arXiv 2601.19895), paper Table 1:
 
         h <- RMSNorm_out(alpha * h + F(RMSNorm_in(h))),   alpha = 2L (the number of sublayers)
 
@@ -958,7 +959,7 @@ class MoDALayer(PreNormLayer):
 
 class MoDA(Residual):
     """Mixture-of-Depths Attention (arXiv 2603.15619; reference hustvl/MoDA), the study's
-    pre-norm variant (schemes.md "MoDA"). Pre-LN residual adds,
+    pre-norm variant (paper Appendix A). Pre-LN residual adds,
 
         h <- h + Attn_depth(RMSNorm(h)),   h <- h + MLP(RMSNorm(h)),
 
@@ -977,8 +978,8 @@ class MoDA(Residual):
     (B, H_kv, T, hd) allocated once as one shared zero tensor; a write replaces a slot's
     reference (no copy, no per-block concatenation) and never modifies a tensor in place, so
     prefix states can be reused and autograd's saved slots stay valid. A read loops over
-    the slots (`ops.DepthReadFunction`). probe = lens = h (probes.md §0).
-    Skip rule (probes.md §2): a skipped block leaves h unchanged and writes nothing into
+    the slots (`ops.DepthReadFunction`). probe = lens = h (docs/probes.md, depth states).
+    Skip rule (docs/probes.md): a skipped block leaves h unchanged and writes nothing into
     its two slots, which stay zero and still take softmax mass exp(q . 0) = 1 with a zero
     value (a skipped block differs from a dropped one, which takes no slots).
     use_depth=False (constructor argument or attribute) masks out every depth score:

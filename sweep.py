@@ -273,7 +273,7 @@ def probe_deepest(family, schemes=None, shapes=None, root=None):
     return []
 
 # -----------------------------------------------------------------------------
-# plots (DESIGN §5: loss vs d/L at fixed total and at fixed backbone; loss vs size across scales)
+# plots (paper Tables 2, 3, 7–9 and docs/families.md: loss vs d/L at fixed total and at fixed backbone; loss vs size across scales)
 
 
 def _plt():
@@ -336,7 +336,7 @@ def plot_loss_vs_ratio(panels, path):
 def plot_loss_vs_size(rows, path):
     """
     Validation loss vs total parameters (log axis), one subplot per scheme, one line
-    per target d/L (cross-scale family, DESIGN §5). Writes a PNG to path.
+    per target d/L (cross-scale family, paper Tables 7–9; docs/families.md). Writes a PNG to path.
     """
     plt = _plt()
     schemes = _schemes_in(rows)

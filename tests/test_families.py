@@ -1,5 +1,5 @@
 """
-Tests of families.py: the parameter formula against DESIGN §5's table and the real
+Tests of families.py: the parameter formula against the paper's Table 3 and the real
 model, the derived shapes (fixed backbone, cross-scale, mini), and the generated
 config files (in sync with the tables, loadable by train.py's configurator).
 
@@ -28,7 +28,7 @@ TRAIN_KEYS = {
     'weight_decay', 'warmup_frac', 'min_lr_frac', 'device', 'dtype', 'compile', 'seed', 'fsdp',
 }
 
-# DESIGN §5 / the paper's Table 3: L, d, d/L, backbone (M), total (M), as printed there
+# the paper's Table 3: L, d, d/L, backbone (M), total (M), as printed there
 MAIN_TABLE = [
     (16, 1216, 76.00, 284, 407),
     (20, 1120, 56.00, 301, 414),
@@ -57,7 +57,7 @@ def test_main_table_reproduces_design(L, d, ratio, backbone_m, total_m):
 
 
 def test_main_family_shapes_and_exact_total():
-    assert round(param_count_preln(24, 1024) / 1e6, 2) == 405.41  # DESIGN §3
+    assert round(param_count_preln(24, 1024) / 1e6, 2) == 405.41  # paper Sec. 2.2, Table 3
     shapes = {(r.L, r.d) for r in runs('main')}
     assert shapes == {(L, d) for L, d, *_ in MAIN_TABLE}
     by_depth = {}

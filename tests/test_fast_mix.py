@@ -248,7 +248,7 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     L, d, T = 2, 32, 16
     from cost import forward_flops
     base = forward_flops(L, d, T, n_head=2, vocab_size=257, logits='all')
-    assert att['delta_f_over_f'] == pytest.approx(4 * T * d * L * (2 * L + 3) / base)  # DESIGN §8
+    assert att['delta_f_over_f'] == pytest.approx(4 * T * d * L * (2 * L + 3) / base)  # paper Appendix D
     assert att['target'] == 1.25                                   # a flat bound, no FLOP allowance
     assert att['pass_train'] == (att['train_vs_preln'] <= att['target'])
     assert byname['preln']['target'] == 1.0 and byname['preln']['target_vs'] == 'plain'

@@ -12,7 +12,7 @@ TINY = dict(n_layer=3, n_embd=64, n_head=4, vocab_size=101, block_size=32)
 
 
 def preln_formula(L, d, V, d_ff):
-    """DESIGN §3: L(4d^2 + 3 d d_ff + 2d) + 2Vd + d."""
+    """Paper Sec. 2.2: L(4d^2 + 3 d d_ff + 2d) + 2Vd + d."""
     return L * (4 * d * d + 3 * d * d_ff + 2 * d) + 2 * V * d + d
 
 
@@ -20,7 +20,7 @@ def preln_formula(L, d, V, d_ff):
     (16, 1216, 407, 284), (20, 1120, 414, 301), (24, 1024, 405, 302), (28, 960, 406, 310),
     (32, 896, 399, 309), (42, 800, 404, 324), (70, 640, 409, 345)])
 def test_preln_param_count_main_family(L, d, total_m, backbone_m):
-    """Every main-family shape (DESIGN §5) on the meta device: the instantiated model equals
+    """Every main-family shape (paper Table 3) on the meta device: the instantiated model equals
     the formula, and the formula gives the paper's rounded totals."""
     with torch.device('meta'):
         model = GPT(GPTConfig(n_layer=L, n_embd=d, block_size=16))
@@ -67,7 +67,7 @@ def test_rope_rotation_is_relative():
 
 
 def test_attnres_zero_init_equals_preln():
-    """schemes.md: with all pseudo-queries zero every read is the mean of its sources, whose
+    """Paper Appendix A, docs/schemes.md: with all pseudo-queries zero every read is the mean of its sources, whose
     RMSNorm equals Pre-LN's residual stream's, so logits match Pre-LN with the same weights
     (up to eps, which we make negligible)."""
     torch.manual_seed(0)
@@ -89,7 +89,7 @@ def test_attnres_zero_init_equals_preln():
 
 
 def test_attnres_queries_survive_reinit():
-    """A second init pass must not destroy the zero queries (schemes.md pitfall)."""
+    """A second init pass must not destroy the zero queries (docs/schemes.md)."""
     m = GPT(GPTConfig(residual='attnres', **TINY))
     with torch.no_grad():
         for p in m.parameters():

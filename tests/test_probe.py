@@ -1,5 +1,5 @@
 """
-Tests of probe.py (the diagnostics of DESIGN §7 / probes.md) on tiny random models built here.
+Tests of probe.py (the diagnostics of the paper's Sec. 4; docs/probes.md) on tiny random models built here.
 Run: python -m pytest tests/test_probe.py -q
 """
 

@@ -1,6 +1,6 @@
 """
 Tests of the single-stream residual schemes and MoDA in residuals.py, and of MoDA's joint
-attention in ops.py (DESIGN §4, schemes.md): Sandwich-LN, LNS, DeepNorm, KEEL, MoDA,
+attention in ops.py (paper Table 1, Appendix A; docs/schemes.md): Sandwich-LN, LNS, DeepNorm, KEEL, MoDA,
 Post-LN, ReZero, LayerScale, ResiDual.
 
 Parameter counts against closed forms, each scheme's equation against an independent
@@ -60,7 +60,7 @@ def close(a, b, atol=1e-5):
 
 
 # -----------------------------------------------------------------------------
-# parameter counts: closed-form extra parameters over Pre-LN (schemes.md)
+# parameter counts: closed-form extra parameters over Pre-LN (docs/schemes.md's table)
 
 def delta_params(residual, L, d, H, kv=None):
     """Extra parameters of a scheme over Pre-LN of the same shape (Pre-LN's blocks hold 2Ld
@@ -106,7 +106,7 @@ def layer_norm(x, w):
 
 
 def reference_hidden(model, idx, order, skip=()):
-    """The input of the final norm, one sublayer at a time, from the equations of schemes.md."""
+    """The input of the final norm, one sublayer at a time, from the equations of the paper's Appendix A (docs/schemes.md)."""
     name, L, res = model.config.residual, model.config.n_layer, model.residual
     T = idx.size(1)
     rope = (model.rope_cos[:T], model.rope_sin[:T])

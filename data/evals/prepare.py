@@ -1,5 +1,5 @@
 """
-Prepare the evaluation sets of DepthBench §9 (paper, arXiv 2609.32534) as one
+Prepare the evaluation sets of DepthBench (paper, arXiv 2609.32534, Figs. 4 and 8 left) as one
 normalised jsonl file per task, so that evals.py never needs to know a source schema.
 
 Run from the repo root:
@@ -14,7 +14,7 @@ It writes data/evals/<task>.jsonl and data/evals/manifest.json (counts, sources,
     multiple choice (arc_easy):  {"task", "id", "prompt", "choices": [raw choice texts], "gold": int}
     completion NLL (the rest):   {"task", "id", "prompt", "answer"}
 
-Prompt and answer strings follow the study exactly (see probes.md §4 and §8):
+Prompt and answer strings follow the study exactly (see docs/probes.md, evaluations):
 
     arc_easy   "Question: {question}\\nAnswer:"  + each continuation " {choice}"   (lm-eval arc_easy)
     mbpp       "You are an expert Python programmer, and here is your task: {text} Your code should
@@ -75,7 +75,7 @@ LOCAL_FILES = {
     'humaneval': [('HumanEval.jsonl.gz', 'test'), ('HumanEval.jsonl', 'test'),
                   ('humaneval_test.parquet', 'test')],
 }
-# HuggingFace hub (dataset id, config, split) as in the study (probes.md §4, §8)
+# HuggingFace hub (dataset id, config, split) as in the study (docs/probes.md, evaluations)
 HUB = {
     'arc_easy': ('allenai/ai2_arc', 'ARC-Easy', 'test'),
     'sciq': ('allenai/sciq', None, 'test'),
@@ -335,7 +335,7 @@ def prepare(tasks=TASKS, input_dir=DEFAULT_INPUT_DIR, out_dir=DEFAULT_OUT_DIR, f
         print(f"{task:<10} {len(items):>6,}  <- {Path(source).name if Path(source).is_file() else source} ({split})")
         for note in notes:
             print(f"           note: {note}")
-    manifest['notes'] = ["Prompts and answers follow probes.md §4 (ARC-Easy) and §8 (domain NLL).",
+    manifest['notes'] = ["Prompts and answers follow the study (docs/probes.md, evaluations: ARC-Easy and domain NLL).",
                          "STEM = SciQ + GPQA; a missing task leaves its category with one task."]
     manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + '\n')
     return manifest

@@ -1,5 +1,5 @@
 """
-Prepare FineWeb-Edu (DESIGN §6, §10) as flat uint16 token files for train.py:
+Prepare FineWeb-Edu (paper Sec. 2.3; docs/training.md) as flat uint16 token files for train.py:
 train.bin, val.bin and meta.json in data/fineweb_edu (gpt2) or data/fineweb_edu_byte (byte).
 
 With internet, stream the first --num_docs documents of FineWeb-Edu sample-10BT from the hub:
