@@ -126,7 +126,7 @@ def fixed_backbone_width(L, backbone=300e6, multiple=32):
 
 def cross_scale_shape(total, ratio, tol=0.05, multiple=32):
     """
-    (L, d) of the cross-scale family (paper Tables 7–9, docs/families.md) for a target total parameter count and
+    (L, d) of the cross-scale family (docs/families.md) for a target total parameter count and
     width/depth ratio r = d/L. Rule: among all integer L and d a multiple of 32 (so the
     16 heads have an even head_dim, as RoPE needs) whose Pre-LN total
     (param_count_preln) is within `tol` (5%) of the target, take the one whose d/L is

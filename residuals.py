@@ -417,8 +417,8 @@ class HC(MultiStream):
     are exempt; the dynamic projections and the scales s_alpha, s_beta decay.
 
     Differences from the study's code: A_r is applied (one public version of
-    `hyper_connections.py` computed it and dropped it, though the paper's Fig. 10 effective ranks below m imply it
-    acted; the later one applies
+    `hyper_connections.py` computed it and dropped it, though the paper's Fig. 10 effective
+    ranks below m imply it acted; the later one applies
     it, as here); the study keeps parameters and streams in bf16, here the weights are fp32
     and the routing runs in the streams' dtype with autocast off (fp32 under bf16 autocast).
     Readout: see MultiStream ('norm_sum', the study's code, by default).
@@ -774,7 +774,7 @@ class LNS(PreLN):
 
 
 class PostLN(SingleStream):
-    """Post-LN (Vaswani et al. 2017, arXiv 1706.03762), one of the classic schemes beyond the paper's ten (docs/schemes.md):
+    """Post-LN (Vaswani et al. 2017, arXiv 1706.03762), a classic beyond the paper's ten (docs/schemes.md):
 
         h <- LN(alpha * h + F(h)),   alpha = 1, LN = RMSNorm
 

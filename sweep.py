@@ -273,7 +273,7 @@ def probe_deepest(family, schemes=None, shapes=None, root=None):
     return []
 
 # -----------------------------------------------------------------------------
-# plots (paper Tables 2, 3, 7–9 and docs/families.md: loss vs d/L at fixed total and at fixed backbone; loss vs size across scales)
+# plots (docs/families.md: loss vs d/L at fixed total and at fixed backbone; loss vs size across scales)
 
 
 def _plt():
