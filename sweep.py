@@ -5,6 +5,7 @@ another, then collect the results and plot validation loss against shape.
     python sweep.py family=main schemes=preln,attnres,hc               # all their shapes
     python sweep.py family=main schemes=attnres shapes=16,32           # only L = 16 and 32
     python sweep.py family=mini                                        # the CPU mini-DepthBench
+    python sweep.py family=mini seeds=3                                # ... with 3 seeds per run
     python sweep.py family=main extra=--batch_size=8,--gradient_accumulation_steps=64
     python sweep.py family=main plot_only=True                         # collect + plot only
     python sweep.py family=main run=print nproc_per_node=8             # print cluster commands
@@ -38,6 +39,9 @@ gradient_accumulation_steps in the configs is global (train.py divides it by the
 number of GPUs), so the 512-sequence batch stays the same: 32 must be divisible by
 the GPU count (or pass extra=--batch_size=..,--gradient_accumulation_steps=..).
 run=print reads the skip/resume status from this machine's out/ directory.
+seeds=N trains every run N times, seed by seed (all runs of seed 0, then of seed 1,
+...): seed 0 is the run as configured (train.py's seed 1337, out_dir as in the config),
+seed k > 0 adds --seed=1337+k and trains into <out_dir>_seed<k>.
 extra= changes every run it touches, in place: a shortened smoke test
 (extra=--max_iters=20) finishes into the real out_dir and is then skipped, so
 delete those out_dirs (or use a copy of the repo) before the real sweep.
@@ -63,6 +67,8 @@ OPTIONS = {  # option -> (default, help)
     'nproc_per_node': (None, "GPUs per node (local default 1 = plain python; print default 8)"),
     'nnodes': (1, "nodes per run (run=print only; > 1 prints multi-node torchrun commands)"),
     'plot_only': (False, "True: only collect results and plot"),
+    'seeds': (1, "training seeds per run (seed k > 0 trains into <out_dir>_seed<k> with --seed=1337+k); "
+                 "the table and plot show mean ± standard error over the seeds that finished"),
     'probe': (None, "True: after training, probe the deepest shape's checkpoints side by side "
                     "(probe.py --compare); default True for the mini family"),
 }
@@ -72,6 +78,32 @@ PROBE_ARGS = {'mini': ['--n_windows=16', '--seq_len=256', '--arc_limit=500', '--
 
 # -----------------------------------------------------------------------------
 # what to do with each run
+
+BASE_SEED = 1337  # train.py's default seed: seed index 0 is the run exactly as configured
+
+
+def seeded(run, k):
+    """
+    The run trained with seed index k (int >= 0): k = 0 is `run` itself; k > 0 is a copy
+    named <name>_seed<k> with out_dir <out_dir>_seed<k> and config seed = 1337 + k (the
+    initial weights and the data order change; the config file is the same, the sweep
+    passes --seed and --out_dir). Raises ValueError for k < 0.
+    """
+    if k < 0:
+        raise ValueError(f"seed index {k} must be >= 0")
+    if k == 0:
+        return run
+    out_dir = f"{run.out_dir}_seed{k}"
+    return families.Run(**{**run.__dict__, 'name': f"{run.name}_seed{k}", 'out_dir': out_dir,
+                           'config': dict(run.config, out_dir=out_dir, seed=BASE_SEED + k),
+                           'info': dict(run.info, seed=k)})
+
+
+def seed_args(run):
+    """The train.py overrides that make a config file train `run` (a seeded() copy): [] for seed 0."""
+    if not run.info.get('seed'):
+        return []
+    return [f"--out_dir={run.out_dir}", f"--seed={run.config['seed']}"]
 
 
 def run_status(run, root=None):
@@ -98,7 +130,8 @@ def train_command(run, status, extra=(), nproc_per_node=1, nnodes=1, launcher=No
     """
     if status not in ('new', 'interrupted'):
         raise ValueError(f"{run.name} is {status}: nothing to run")
-    args = ['train.py', run.config_path] + (['--init_from=resume'] if status == 'interrupted' else []) + list(extra)
+    args = ['train.py', run.config_path] + seed_args(run) + \
+        (['--init_from=resume'] if status == 'interrupted' else []) + list(extra)
     if nproc_per_node == 1 and nnodes == 1:
         return [python] + args
     launcher = list(launcher or [python, '-m', 'torch.distributed.run'])
@@ -118,9 +151,11 @@ def run_command(cmd, cwd):
     return subprocess.run(cmd, cwd=cwd).returncode
 
 
-def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_node=None, nnodes=1, root=None):
+def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_node=None, nnodes=1, root=None,
+          seeds=1):
     """
-    Train (run='local') or print the commands for (run='print') every run of a family.
+    Train (run='local') or print the commands for (run='print') every run of a family,
+    `seeds` times (seed by seed: every run of seed 0, then of seed 1, ...; see seeded()).
 
     Finished runs are skipped, interrupted ones resumed, the rest started, one after
     another; a failure does not stop the sweep. Returns the list of (run name,
@@ -140,8 +175,10 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
         raise ValueError("nproc_per_node and nnodes must be >= 1")
     if nnodes > 1 and run == 'local':
         raise ValueError("nnodes > 1 needs one launch per node: use run=print and start the commands on each node")
+    if seeds < 1:
+        raise ValueError(f"seeds={seeds}: give a positive integer")
     root = root or ROOT
-    todo = families.runs(family, schemes, shapes)
+    todo = [seeded(r, k) for k in range(seeds) for r in families.runs(family, schemes, shapes)]
     if run == 'local' and not os.path.exists(os.path.join(root, 'train.py')):
         raise FileNotFoundError(f"{os.path.join(root, 'train.py')} not found: run the sweep from a DepthBench checkout")
     if run == 'local':  # one clear error instead of one failed run per config
@@ -418,7 +455,7 @@ def parse_args(argv):
             raise ValueError(f"unknown option {key!r}; options: {', '.join(OPTIONS)}")
         if key == 'extra':
             extra += [a for a in re.split(r',(?=--)', value) if a]  # commas inside a value are kept
-        elif key in ('nproc_per_node', 'nnodes'):
+        elif key in ('nproc_per_node', 'nnodes', 'seeds'):
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"{key}={value!r}: give a positive integer")
             opts[key] = int(value)
@@ -454,7 +491,7 @@ def main(argv):
         failures = []
         if not opts['plot_only']:
             failures = sweep(opts['family'], opts['schemes'], opts['shapes'], opts['extra'], opts['run'],
-                             opts['nproc_per_node'], opts['nnodes'])
+                             opts['nproc_per_node'], opts['nnodes'], seeds=opts['seeds'])
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
