@@ -48,6 +48,7 @@ delete those out_dirs (or use a copy of the repo) before the real sweep.
 """
 
 import json
+import math
 import os
 import re
 import shlex
@@ -250,6 +251,7 @@ def read_result(run, root=None):
     exact count (None until known); params_M the count used in plots.
     """
     row = dict(name=run.name, family=run.family, scheme=run.scheme, L=run.L, d=run.d, ratio=run.ratio,
+               dataset=run.config.get('dataset'),
                backbone=run.backbone, total=run.total, out_dir=run.out_dir, config=run.config_path,
                **{k: v for k, v in run.info.items() if k in ('target_total', 'target_ratio', 'shared_with')})
     out_dir = os.path.join(root or ROOT, run.out_dir)
@@ -274,21 +276,106 @@ def read_result(run, root=None):
     return row
 
 
+def seed_runs(run, root=None):
+    """The seeded copies of a run that have an out_dir on disk, seed 0 (the run itself)
+    always first: [seeded(run, 0), seeded(run, k) for every <out_dir>_seed<k> present]."""
+    base = os.path.join(root or ROOT, run.out_dir)
+    parent, name = os.path.dirname(base), os.path.basename(base)
+    ks = []
+    if os.path.isdir(parent):
+        for entry in os.listdir(parent):
+            m = re.fullmatch(re.escape(name) + r'_seed(\d+)', entry)
+            if m and int(m.group(1)) > 0:
+                ks.append(int(m.group(1)))
+    return [run] + [seeded(run, k) for k in sorted(ks)]
+
+
+def summarize(rows):
+    """
+    Mean and standard error over seeds of the validation loss of each (scheme, L): rows
+    (read_result's, with 'seed') -> list of {scheme, L, d, ratio, params_M, n_seeds, mean, se,
+    values, seeds}. Only finished runs count; se = sample std (n - 1) / sqrt(n), None for one
+    seed; a shape with no finished seed is left out.
+    """
+    groups = {}
+    for r in rows:
+        if r['status'] == 'finished' and r['val_loss'] is not None:
+            groups.setdefault((r['scheme'], r['L']), []).append(r)
+    out = []
+    for (scheme, L), rs in groups.items():
+        v = [r['val_loss'] for r in rs]
+        n = len(v)
+        mean = sum(v) / n
+        se = math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1) / n) if n > 1 else None
+        out.append(dict(scheme=scheme, L=L, d=rs[0]['d'], ratio=rs[0]['ratio'], params_M=rs[0]['params_M'],
+                        n_seeds=n, mean=mean, se=se, values=v, seeds=[r.get('seed', 0) for r in rs]))
+    return out
+
+
+def read_all(family, root=None):
+    """read_result of every run of a family and of each of its seeds on disk, with 'seed'."""
+    return [dict(read_result(r, root), seed=r.info.get('seed', 0))
+            for run in families.runs(family) for r in seed_runs(run, root)]
+
+
 def collect(family, root=None):
     """
-    Read every run of a family (read_result) into root/out/<family>/results.json
-    = {"family": ..., "runs": [row, ...]}. Returns the list of rows.
+    Read every run of a family (read_result), with every seed present on disk (seed_runs),
+    into root/out/<family>/results.json = {"family": ..., "runs": [row, ...] (one per seed,
+    'seed' = its index), "summary": summarize(runs)}. Returns the list of rows.
     """
     root = root or ROOT
-    rows = [read_result(r, root) for r in families.runs(family)]
+    rows = read_all(family, root)
     path = os.path.join(root, 'out', family, 'results.json')
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, 'w') as f:
-        json.dump(dict(family=family, runs=rows), f, indent=1)
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(dict(family=family, runs=rows, summary=summarize(rows)), f, indent=1)
+    os.replace(tmp, path)
     n = {s: sum(r['status'] == s for r in rows) for s in ('finished', 'unfinished', 'missing')}
+    n_seeds = max((sum(1 for x in rows if x['name'].split('_seed')[0] == r.name) for r in families.runs(family)),
+                  default=1)
     print(f"{family}: {n['finished']} finished, {n['unfinished']} unfinished, {n['missing']} missing "
-          f"-> {os.path.relpath(path, root)}")
+          f"(up to {n_seeds} seed{'s' if n_seeds > 1 else ''} per run) -> {os.path.relpath(path, root)}")
     return rows
+
+
+def format_summary(rows):
+    """The seeds table as markdown: one row per depth L (d/L), one column per scheme, each cell
+    mean ± s.e. (n seeds) of the validation loss; then, per shape, the difference of every
+    scheme to the best one and the depth cost L -> 2L with their standard errors
+    (sqrt(se1² + se2²), independent runs), marked * when larger than 2 s.e."""
+    summ = summarize(rows)
+    if not summ:
+        return "no finished run"
+    schemes = _schemes_in(summ)
+    cell = {(s['scheme'], s['L']): s for s in summ}
+    Ls = sorted({s['L'] for s in summ})
+    fmt = lambda s: ('–' if s is None else f"{s['mean']:.3f}" + (f" ± {s['se']:.3f}" if s['se'] is not None else '')
+                     + f" ({s['n_seeds']})")
+    lines = ["| L (d/L) | " + " | ".join(schemes) + " |", "|---" * (len(schemes) + 1) + "|"]
+    for L in Ls:
+        ratio = next(s['ratio'] for s in summ if s['L'] == L)
+        lines.append(f"| {L} ({ratio:.0f}) | " + " | ".join(fmt(cell.get((sc, L))) for sc in schemes) + " |")
+
+    def diff(a, b):  # a - b with its standard error
+        if a is None or b is None:
+            return None
+        se = math.sqrt((a['se'] or 0) ** 2 + (b['se'] or 0) ** 2) if a['se'] is not None and b['se'] is not None else None
+        d = a['mean'] - b['mean']
+        return f"{d:+.3f}" + ('' if se is None else f" ± {se:.3f}" + (' *' if abs(d) > 2 * se else ''))
+    for L1, L2 in zip(Ls, Ls[1:]):
+        lines.append(f"| L {L1} → {L2} | " + " | ".join(diff(cell.get((sc, L2)), cell.get((sc, L1))) or '–'
+                                                       for sc in schemes) + " |")
+    lines.append("")
+    for L in Ls:
+        have = [cell[(sc, L)] for sc in schemes if (sc, L) in cell]
+        best = min(have, key=lambda s: s['mean'])
+        parts = [f"{s['scheme']} {diff(s, best)}" for s in have if s is not best]
+        lines.append(f"L = {L}: best {best['scheme']}; others " + ", ".join(parts))
+    lines.append("(± = standard error over seeds; * = difference larger than 2 standard errors)")
+    return "\n".join(lines)
+
 
 def probe_deepest(family, schemes=None, shapes=None, root=None):
     """Runs every diagnostic of probe.py on the finished checkpoints of the deepest shape of
@@ -336,38 +423,74 @@ def _with_loss(rows):
     return [r for r in rows if r['val_loss'] is not None]
 
 
+def _loss_label(rows):
+    # byte-level datasets predict bytes, not tokens
+    byte = rows and all(str(r.get('dataset', '')).endswith('_byte') for r in rows)
+    return 'validation loss (nats / byte)' if byte else 'validation loss (nats / token)'
+
+
 def plot_loss_vs_ratio(panels, path):
     """
-    Validation loss vs d/L (log axis), one line per scheme, one subplot per
-    (title, rows) panel; each point labelled with its parameter count in M, unfinished
-    runs drawn hollow. Writes a PNG to path.
+    Validation loss vs d/L (log axis), one line per scheme, one subplot per (title, rows)
+    panel. Several seeds of a run: the mean with ± 1 standard-error bars and each seed as a
+    small dot; unfinished runs (one seed) drawn hollow. Each shape's Pre-LN parameter count
+    is written under its tick. Writes a PNG to path.
     """
     plt = _plt()
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.9), squeeze=False)
     for ax, (title, rows) in zip(axes[0], panels):
-        for scheme in _schemes_in(rows):
-            pts = sorted((r for r in rows if r['scheme'] == scheme), key=lambda r: r['ratio'])
+        summ = {(s['scheme'], s['L']): s for s in summarize(rows)}
+        schemes = _schemes_in(rows)
+        for k, scheme in enumerate(schemes):
             color = _scheme_color(scheme)
-            ax.plot([r['ratio'] for r in pts], [r['val_loss'] for r in pts], '-', color=color, label=scheme)
-            for r in pts:
-                done = r['status'] == 'finished'
-                ax.plot(r['ratio'], r['val_loss'], 'o', color=color, mfc=color if done else 'white')
-                ax.annotate(f"{r['params_M']:.0f}M" if r['params_M'] >= 10 else f"{r['params_M']:.2f}M",
-                            (r['ratio'], r['val_loss']), textcoords='offset points', xytext=(3, 4), fontsize=7)
+            shift = 1 + 0.015 * (k - (len(schemes) - 1) / 2)  # a small x offset per scheme: bars stay apart
+            pts = []
+            for L in sorted({r['L'] for r in rows if r['scheme'] == scheme}):
+                mine = [r for r in rows if r['scheme'] == scheme and r['L'] == L]
+                s = summ.get((scheme, L))
+                x = mine[0]['ratio'] * shift
+                if s is None:  # no finished seed: the last eval of the first unfinished one
+                    pts.append((x, mine[0]['val_loss'], None, False))
+                else:
+                    pts.append((x, s['mean'], s['se'], True))
+                    if s['n_seeds'] > 1:
+                        ax.plot([x] * s['n_seeds'], s['values'], '.', color=color, ms=3, alpha=0.5)
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], '-', color=color, label=scheme)
+            for x, y, se, done in pts:
+                ax.errorbar(x, y, yerr=se, fmt='o', color=color, mfc=color if done else 'white', capsize=3)
         ax.set_xscale('log')
         ratios = sorted({r['ratio'] for r in rows})
-        ax.set_xticks(ratios, [f"{x:.0f}\nL={r['L']}" for x, r in
-                               ((x, next(r for r in rows if r['ratio'] == x)) for x in ratios)], fontsize=7)
+        first = {x: next(r for r in rows if r['ratio'] == x) for x in ratios}
+        ax.set_xticks(ratios, [f"{x:.0f}\nL={first[x]['L']}\n{_millions_label(first[x]['params_M'])}"
+                               for x in ratios], fontsize=7)
         ax.minorticks_off()
-        ax.set_xlabel('d/L (wide, shallow  ->  right)')
-        ax.set_ylabel('validation loss (nats/token)')
-        ax.set_title(textwrap.fill(title, 60), fontsize=10)
+        ax.set_xlabel('d/L (wide, shallow  ->  right); Pre-LN parameters under each shape')
+        ax.set_ylabel(_loss_label(rows))
+        ax.set_title(textwrap.fill(title, 64), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle('hollow = unfinished (last eval)', fontsize=8, y=0.01, va='bottom')
-    fig.tight_layout()
+    n = max((s['n_seeds'] for (_, rows) in panels for s in summarize(rows)), default=1)
+    note = (f"mean of up to {n} seeds, bars ± 1 standard error, dots = single seeds; " if n > 1 else "") + \
+        "hollow = unfinished (last eval)"
+    fig.suptitle(note, fontsize=8, y=0.01, va='bottom')
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _millions_label(m):
+    return f"{m:.0f}M" if m >= 10 else f"{m:.2f}M"
+
+
+def _budget(rows):
+    """' , <x> tokens per backbone parameter (as trained)' from the finished rows, '' if none."""
+    per = [r['tokens'] / r['backbone'] for r in rows if r['status'] == 'finished' and r.get('tokens') and r.get('backbone')]
+    if not per:
+        return ''
+    lo, hi = min(per), max(per)
+    return f"; trained on {lo:.2g} tokens per backbone parameter" if hi - lo < 0.05 * hi else \
+        f"; trained on {lo:.2g}-{hi:.2g} tokens per backbone parameter"
 
 
 def plot_loss_vs_size(rows, path):
@@ -408,13 +531,13 @@ def plot(family, rows=None, root=None):
     Returns the list of PNG paths written.
     """
     root = root or ROOT
-    rows = rows if rows is not None else [read_result(r, root) for r in families.runs(family)]
+    rows = rows if rows is not None else read_all(family, root)
     out = os.path.join(root, 'out', family)
     os.makedirs(out, exist_ok=True)
     written = []
     if family in ('main', 'fixed_backbone'):
         other = 'fixed_backbone' if family == 'main' else 'main'
-        by_family = {family: rows, other: [read_result(r, root) for r in families.runs(other)]}
+        by_family = {family: rows, other: read_all(other, root)}
         titles = {'main': 'fixed total ≈400M', 'fixed_backbone': 'fixed backbone ≈300M'}
         panels = [(titles[f], _with_loss(by_family[f])) for f in ('main', 'fixed_backbone')]
     elif family == 'cross_scale':
@@ -425,7 +548,9 @@ def plot(family, rows=None, root=None):
         panels = [(f"{t / 1e6:.0f}M total", _with_loss([r for r in rows if r['target_total'] == t]))
                   for t in dict.fromkeys(r['target_total'] for r in rows)]
     else:
-        panels = [(families.FAMILIES[family].title.split(':')[-1].strip(), _with_loss(rows))]
+        # the family title without the budget it was written for: the runs say what they used
+        title = re.sub(r',\s*[\d.]+ tokens per backbone parameter', '', families.FAMILIES[family].title.split(':')[-1])
+        panels = [(title.strip() + _budget(rows), _with_loss(rows))]
     panels = [p for p in panels if p[1]]
     if panels:
         written.append(os.path.join(out, 'loss_vs_ratio.png'))
@@ -501,6 +626,7 @@ def main(argv):
     if opts['run'] == 'print' and not opts['plot_only']:
         return 0
     rows = collect(opts['family'])
+    print(format_summary(rows))
     plot(opts['family'], rows)
     if opts['probe'] and opts['run'] == 'local':
         failures += probe_deepest(opts['family'], opts['schemes'], opts['shapes'])
