@@ -84,8 +84,8 @@ def _score_heatmaps(rs, metric, key, title, xlabel, ylabel, ratio_key, threshold
                        label=f"below: late pairs (row ≥ {late['start']} = ⌈L/4⌉)")
             ax.legend(fontsize=6, loc='lower left', framealpha=0.8)
         ratio = late.get(ratio_key)
-        suffix = '' if ratio is None else f"\n{ratio_key} = {100 * ratio:.1f}% ({symbol} > {thr:g}), max {top:.2f}"
-        ax.set_title(f"{r['label']}: {title}{suffix}", fontsize=9)
+        rtext = '' if ratio is None else f"{ratio_key} = {100 * ratio:.1f}% ({symbol} > {thr:g}), "
+        ax.set_title(f"{r['label']}: {title}\n{rtext}max {top:.2f}", fontsize=9)
         ax.set(xlabel=xlabel, ylabel=ylabel)
     fig.tight_layout()
     return fig

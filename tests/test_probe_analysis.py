@@ -252,3 +252,58 @@ def test_registered_in_probe_metrics(tmp_path):
     assert out['jacobian']['n_probes'] == 4 and len(out['usefulness']['loss_ratio']) == 3
     saved = probe.load_results(ckpt.parent / 'probe' / 'probe.json')
     assert saved['token_collapse']['erank'] == pytest.approx(out['token_collapse']['erank'])
+
+# -----------------------------------------------------------------------------
+# figures
+
+
+def test_figures_scales_and_labels():
+    import probe_plots as pp
+    L = 4
+    late = {'R_causal': 0.0, 'R_perm': 0.0, 'causal_threshold': 0.45, 'perm_threshold': 0.15, 'start': 1,
+            'n_pairs': 6}
+    C = np.full((L, L), np.nan)
+    C[np.triu_indices(L, 1)] = 0.2
+    C_big = C.copy()
+    C_big[1, 2] = 7.0  # an AttnRes-like C(s, s+1) far above the cap
+    one = pp.plot_causal([{'label': 'a', 'causal': {'C': C}, 'late_pairs': late}])
+    two = pp.plot_causal([{'label': 'a', 'causal': {'C': C}, 'late_pairs': late},
+                          {'label': 'b', 'causal': {'C': C_big}, 'late_pairs': late}])
+    clims = [im.get_clim() for f in (one, two) for ax in f.axes for im in ax.get_images()]
+    assert clims == [(0, 0.9)] * 3  # the same scale alone and side by side
+    titles = [ax.get_title() for ax in two.axes if ax.get_images()]
+    assert 'max 7.00' in titles[1]
+    bars = [ax for ax in two.axes if not ax.get_images()]
+    assert all(ax.get_ylabel() for ax in bars)  # every colour bar says what it shows
+    assert any('late pairs' in t.get_text() for ax in two.axes if ax.get_legend() for t in ax.get_legend().get_texts())
+    # R bars all zero: the axis starts at 0
+    fig = pp.plot_late_pairs([{'label': 'a', 'late_pairs': late}])
+    assert fig.axes[0].get_ylim()[0] == 0
+    # HC path weights: the readout row (m = 4 times a sublayer's scale) gets its own colour scale
+    W = np.tril(np.full((2 * L + 1, 2 * L + 1), 1.0))
+    W[np.triu_indices(2 * L + 1, 1)] = np.nan
+    W[-1, :] = 4.0
+    fig = pp.plot_path_weights([{'label': 'hc', 'path_weights': {'W': W, 'kind': 'hc'}}])
+    ims = [ax.get_images()[0] for ax in fig.axes if ax.get_images()]
+    assert ims[0].get_array().shape == (2 * L, 2 * L + 1) and ims[0].get_clim()[1] < 2
+    assert ims[1].get_array().shape == (1, 2 * L + 1) and ims[1].get_clim()[1] > 3
+    # Pre-LN: a fixed 0..1 scale, not 1..2
+    U = np.tril(np.ones((2 * L + 1, 2 * L + 1)))
+    fig = pp.plot_path_weights([{'label': 'p', 'path_weights': {'W': U, 'kind': 'unit'}}])
+    assert [ax.get_images()[0].get_clim() for ax in fig.axes if ax.get_images()] == [(0.0, 1.0)] * 2
+    # angular: no empty column for the last state
+    S = np.full((L, L + 1), np.nan)
+    for n in range(1, L + 1):
+        S[n - 1, :L + 1 - n] = 0.1 * n
+    fig = pp.plot_angular([{'label': 'a', 'angular': {'subsequent': S}}])
+    assert fig.axes[0].get_images()[0].get_array().shape == (L, L)
+    # LogitLens: every panel has a legend; byte models are labelled per byte
+    ll = {'kl': [1, 0.5, 0], 'ce': [3, 2, 1.5], 'top5': [0.2, 0.6, 1]}
+    fig = pp.plot_logit_lens([{'label': 'a', 'logit_lens': ll, 'tokenizer': 'byte'}])
+    assert all(ax.get_legend() is not None for ax in fig.axes) and 'byte' in fig.axes[1].get_ylabel()
+    # pruning: error bars on both panels
+    blocks = [{'block': b, 'acc_norm': 0.3, 'delta_acc_norm': 0.01 * b, 'se_delta_acc_norm': 0.02} for b in range(L)]
+    r = {'label': 'a', 'prune': {'blocks': blocks, 'baseline': {'acc_norm': 0.3}, 'n': 500},
+         'prune_lm': {'loss': 2.0, 'delta': [0.1] * L, 'se': [0.01] * L, 'n_windows': 16}}
+    fig = pp.plot_prune([r])
+    assert len(fig.axes) == 2 and all(ax.containers for ax in fig.axes)
