@@ -276,9 +276,9 @@ def read_result(run, root=None):
     return row
 
 
-def seed_runs(run, root=None):
-    """The seeded copies of a run that have an out_dir on disk, seed 0 (the run itself)
-    always first: [seeded(run, 0), seeded(run, k) for every <out_dir>_seed<k> present]."""
+def seed_runs(run, root=None, seeds=1):
+    """The seeded copies of a run: seed indices 0..seeds-1, and any further <out_dir>_seed<k>
+    present on disk, in order (seed 0, the run itself, first)."""
     base = os.path.join(root or ROOT, run.out_dir)
     parent, name = os.path.dirname(base), os.path.basename(base)
     ks = []
@@ -287,7 +287,7 @@ def seed_runs(run, root=None):
             m = re.fullmatch(re.escape(name) + r'_seed(\d+)', entry)
             if m and int(m.group(1)) > 0:
                 ks.append(int(m.group(1)))
-    return [run] + [seeded(run, k) for k in sorted(ks)]
+    return [seeded(run, k) for k in sorted(set(ks) | set(range(seeds)))]
 
 
 def summarize(rows):
@@ -312,20 +312,21 @@ def summarize(rows):
     return out
 
 
-def read_all(family, root=None):
-    """read_result of every run of a family and of each of its seeds on disk, with 'seed'."""
+def read_all(family, root=None, seeds=1):
+    """read_result of every run of a family and of each of its seeds (seed_runs), with 'seed'."""
     return [dict(read_result(r, root), seed=r.info.get('seed', 0))
-            for run in families.runs(family) for r in seed_runs(run, root)]
+            for run in families.runs(family) for r in seed_runs(run, root, seeds)]
 
 
-def collect(family, root=None):
+def collect(family, root=None, seeds=1):
     """
-    Read every run of a family (read_result), with every seed present on disk (seed_runs),
+    Read every run of a family (read_result), with seeds 0..seeds-1 and any other seed on
+    disk (seed_runs),
     into root/out/<family>/results.json = {"family": ..., "runs": [row, ...] (one per seed,
     'seed' = its index), "summary": summarize(runs)}. Returns the list of rows.
     """
     root = root or ROOT
-    rows = read_all(family, root)
+    rows = read_all(family, root, seeds)
     path = os.path.join(root, 'out', family, 'results.json')
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + '.tmp'
@@ -625,7 +626,7 @@ def main(argv):
         return 130
     if opts['run'] == 'print' and not opts['plot_only']:
         return 0
-    rows = collect(opts['family'])
+    rows = collect(opts['family'], seeds=opts['seeds'])
     print(format_summary(rows))
     plot(opts['family'], rows)
     if opts['probe'] and opts['run'] == 'local':
