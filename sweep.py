@@ -41,7 +41,8 @@ the GPU count (or pass extra=--batch_size=..,--gradient_accumulation_steps=..).
 run=print reads the skip/resume status from this machine's out/ directory.
 seeds=N trains every run N times, seed by seed (all runs of seed 0, then of seed 1,
 ...): seed 0 is the run as configured (train.py's seed 1337, out_dir as in the config),
-seed k > 0 adds --seed=1337+k and trains into <out_dir>_seed<k>.
+seed k > 0 adds --seed=1337+k and trains into <out_dir>_seed<k>. seed=K trains only seed
+index K: three processes `seeds=3 seed=0|1|2 probe=False` side by side share the work.
 extra= changes every run it touches, in place: a shortened smoke test
 (extra=--max_iters=20) finishes into the real out_dir and is then skipped, so
 delete those out_dirs (or use a copy of the repo) before the real sweep.
@@ -70,6 +71,7 @@ OPTIONS = {  # option -> (default, help)
     'plot_only': (False, "True: only collect results and plot"),
     'seeds': (1, "training seeds per run (seed k > 0 trains into <out_dir>_seed<k> with --seed=1337+k); "
                  "the table and plot show mean ± standard error over the seeds that finished"),
+    'seed': (None, "train only this seed index of every run (e.g. one process per seed, side by side)"),
     'probe': (None, "True: after training, probe the deepest shape's checkpoints side by side "
                     "(probe.py --compare); default True for the mini family"),
 }
@@ -153,10 +155,11 @@ def run_command(cmd, cwd):
 
 
 def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_node=None, nnodes=1, root=None,
-          seeds=1):
+          seeds=1, seed=None):
     """
     Train (run='local') or print the commands for (run='print') every run of a family,
-    `seeds` times (seed by seed: every run of seed 0, then of seed 1, ...; see seeded()).
+    `seeds` times (seed by seed: every run of seed 0, then of seed 1, ...; see seeded()), or
+    only seed index `seed` when given.
 
     Finished runs are skipped, interrupted ones resumed, the rest started, one after
     another; a failure does not stop the sweep. Returns the list of (run name,
@@ -179,7 +182,10 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
     if seeds < 1:
         raise ValueError(f"seeds={seeds}: give a positive integer")
     root = root or ROOT
-    todo = [seeded(r, k) for k in range(seeds) for r in families.runs(family, schemes, shapes)]
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed={seed}: give a seed index >= 0")
+    todo = [seeded(r, k) for k in (range(seeds) if seed is None else [seed])
+            for r in families.runs(family, schemes, shapes)]
     if run == 'local' and not os.path.exists(os.path.join(root, 'train.py')):
         raise FileNotFoundError(f"{os.path.join(root, 'train.py')} not found: run the sweep from a DepthBench checkout")
     if run == 'local':  # one clear error instead of one failed run per config
@@ -581,9 +587,9 @@ def parse_args(argv):
             raise ValueError(f"unknown option {key!r}; options: {', '.join(OPTIONS)}")
         if key == 'extra':
             extra += [a for a in re.split(r',(?=--)', value) if a]  # commas inside a value are kept
-        elif key in ('nproc_per_node', 'nnodes', 'seeds'):
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"{key}={value!r}: give a positive integer")
+        elif key in ('nproc_per_node', 'nnodes', 'seeds', 'seed'):
+            if not value.isdigit() or int(value) < (0 if key == 'seed' else 1):
+                raise ValueError(f"{key}={value!r}: give a {'seed index >= 0' if key == 'seed' else 'positive integer'}")
             opts[key] = int(value)
         elif key in ('plot_only', 'probe'):
             if value.lower() not in ('true', 'false'):
@@ -617,7 +623,7 @@ def main(argv):
         failures = []
         if not opts['plot_only']:
             failures = sweep(opts['family'], opts['schemes'], opts['shapes'], opts['extra'], opts['run'],
-                             opts['nproc_per_node'], opts['nnodes'], seeds=opts['seeds'])
+                             opts['nproc_per_node'], opts['nnodes'], seeds=opts['seeds'], seed=opts['seed'])
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -626,7 +632,7 @@ def main(argv):
         return 130
     if opts['run'] == 'print' and not opts['plot_only']:
         return 0
-    rows = collect(opts['family'], seeds=opts['seeds'])
+    rows = collect(opts['family'], seeds=max(opts['seeds'], (opts['seed'] or 0) + 1))
     print(format_summary(rows))
     plot(opts['family'], rows)
     if opts['probe'] and opts['run'] == 'local':

@@ -276,6 +276,12 @@ def test_seeds_train_seed_by_seed_into_their_own_out_dirs(repo, monkeypatch):
         [py, 'train.py', 'config/mini/hc_L2.py', '--out_dir=out/mini/hc_L2_seed2', '--seed=1339'],
     ]
     assert sweep.parse_args(['family=mini', 'seeds=3'])['seeds'] == 3
+    seen.clear()  # one seed index alone (one process per seed): only its runs
+    _write_partial(repo, 'out/mini/hc_L4_seed2', [2.0])
+    assert sweep.sweep('mini', schemes=['hc'], shapes=[2, 4], seed=2) == []
+    assert seen == [[py, 'train.py', 'config/mini/hc_L4.py', '--out_dir=out/mini/hc_L4_seed2', '--seed=1339',
+                     '--init_from=resume']]
+    assert sweep.parse_args(['family=mini', 'seed=0'])['seed'] == 0
     with pytest.raises(ValueError, match='positive integer'):
         sweep.parse_args(['family=mini', 'seeds=0'])
     with pytest.raises(ValueError, match='seed index'):
