@@ -307,3 +307,15 @@ def test_figures_scales_and_labels():
          'prune_lm': {'loss': 2.0, 'delta': [0.1] * L, 'se': [0.01] * L, 'n_windows': 16}}
     fig = pp.plot_prune([r])
     assert len(fig.axes) == 2 and all(ax.containers for ax in fig.axes)
+
+
+@pytest.mark.parametrize('scheme', SCHEMES)
+def test_every_analysis_runs_for_every_scheme(scheme):
+    model = randomize_scheme(tiny(scheme, n_layer=2))
+    w = windows(2, t=8)
+    j = pa.jacobian_deviation(model, w, n_probes=2)
+    u = pa.usefulness(model, w)
+    t = pa.token_collapse(model, w)
+    p = pa.prune_lm(model, w)
+    assert len(j['deviation']) == len(u['loss_ratio']) == len(p['delta']) == 2 and len(t['erank']) == 3
+    assert all(np.isfinite(j['deviation'])) and all(np.isfinite(u['loss_ratio'])) and all(x > 0 for x in t['erank'])
