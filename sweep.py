@@ -20,12 +20,14 @@ not stop the sweep; failures are listed at the end and the exit status is 1.
 Output of train.py streams to the terminal. Paths (config/, out/) are relative to
 the repo root, where train.py also runs.
 
-Results: out/<family>/results.json (one row per run: shape, parameter counts,
-val_loss, status finished / unfinished (last eval of metrics.jsonl) / missing) and
+Results: out/<family>/results.json (one row per run and seed: shape, parameter counts,
+val_loss, status finished / unfinished (last eval of metrics.jsonl) / missing; and a
+summary: mean and standard error over the finished seeds), a printed table of it, and
   out/<family>/loss_vs_ratio.png  val loss vs d/L per scheme; main and fixed_backbone
                                   show a fixed-total and a fixed-backbone panel (each
-                                  when it has results), points labelled with their
-                                  parameter count in M; hollow markers = unfinished
+                                  when it has results), Pre-LN parameter counts under
+                                  the ticks; several seeds: mean ± 1 s.e. and a dot per
+                                  seed; hollow markers = unfinished
   out/cross_scale/loss_vs_size.png val loss vs total parameters, one line per d/L
 
 Single GPU, multi-GPU, multi-node:
