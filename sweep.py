@@ -458,8 +458,10 @@ def plot_loss_vs_ratio(panels, path):
                 mine = [r for r in rows if r['scheme'] == scheme and r['L'] == L]
                 s = summ.get((scheme, L))
                 x = mine[0]['ratio'] * shift
-                if s is None:  # no finished seed: the last eval of the first unfinished one
-                    pts.append((x, mine[0]['val_loss'], None, False))
+                if s is None:  # no finished seed: the latest eval of an unfinished one, if past step 0
+                    last = max(mine, key=lambda r: r['iter'] or 0)
+                    if last['iter']:
+                        pts.append((x, last['val_loss'], None, False))
                 else:
                     pts.append((x, s['mean'], s['se'], True))
                     if s['n_seeds'] > 1:
