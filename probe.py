@@ -22,6 +22,10 @@ Metrics (--metrics=all or a comma list):
     prune          ARC-Easy acc / acc_norm with each block skipped, Fig. 8 left (§4)
     propagation    HC/mHC stream-mixing product: erank, mean |cos|, spectrum, Fig. 10, Eqs. 9-10 (§7)
     domain_nll     completion NLL on coding / STEM / math, Fig. 4 (§8)
+    jacobian       ||J_l - I||_F / sqrt(D) of each block's map, random-probe estimate (probe_analysis.py)
+    usefulness     each block replaced by its least-squares linear stand-in: loss ratio, share > 10%
+    token_collapse stable rank, entropy effective rank, L1/L2 of the singular values of each depth state
+    prune_lm       held-out LM loss with each block skipped, ± s.e. over windows
 Metrics that do not apply to a scheme (propagation for Pre-LN) are skipped with a notice.
 
 Interventions reuse prefixes: a skipped, swapped or dropped block leaves every block before
@@ -45,6 +49,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import evals
+import probe_analysis
 from model import GPT, GPTConfig
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -66,7 +71,8 @@ CAUSAL_THRESHOLD = 0.45          # R_causal counts C > this (Eq. 6)
 PERM_THRESHOLD = 0.15            # R_perm counts P > this (Eq. 8)
 LATE_START_FRAC = 0.25           # late pairs: s >= ceil(L * this), 0-based (Eq. 5)
 METRICS = ['angular', 'causal', 'permutation', 'path_weights', 'block_weights',
-           'logit_lens', 'prune', 'propagation', 'domain_nll']
+           'logit_lens', 'prune', 'propagation', 'domain_nll'] + list(probe_analysis.ANALYSES)
+DEFAULT_WINDOWS.update({name: a[1] for name, a in probe_analysis.ANALYSES.items()})  # the study's defaults
 
 # -----------------------------------------------------------------------------
 # checkpoint, tokenizer and token windows
@@ -655,6 +661,12 @@ def propagation_stats(model, windows, batch_size=BATCH_SIZE, n_boot=1000, seed=0
 # -----------------------------------------------------------------------------
 # evaluations (probes.md §4, §8) through evals.py
 
+def _paired_se(a, b):
+    # standard error of mean(a - b) over paired units (n - 1 in the variance); NaN for n < 2
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    return float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float('nan')
+
+
 @torch.no_grad()
 def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     """Single-block pruning on ARC-Easy (Fig. 8 left, probes.md §4): zero-shot accuracy of the
@@ -664,7 +676,8 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     kept (PrefixRunner), so skipping block l re-runs only blocks l..L-1 (memory: L+1 states of
     every sequence of the chunk; lower chunk_items if it does not fit).
     items: load_task('arc_easy'). Returns {'baseline': {'acc', 'acc_norm'}, 'blocks': [{'block',
-    'acc', 'acc_norm', 'delta_acc', 'delta_acc_norm'}], 'metric': 'acc_norm', 'n'}."""
+    'acc', 'acc_norm', 'delta_acc', 'delta_acc_norm', 'se_delta_acc_norm' (standard error of the
+    paired per-question difference)}], 'metric': 'acc_norm', 'n'}."""
     model.eval()
     if not items:
         raise ValueError("prune_scan needs at least one ARC-Easy item")
@@ -673,6 +686,7 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     offsets = np.cumsum([0] + [len(it['choices']) for it in items])
     variants = [None] + list(range(L))  # None = the full model
     correct = {v: [0, 0] for v in variants}
+    right = {v: [] for v in variants}  # per question: acc_norm correct (0/1), for the paired s.e.
     runner = PrefixRunner(model)
     chunks = range(0, len(items), chunk_items)
     pbar = tqdm(total=len(chunks) * len(variants), desc='prune (ARC-Easy)', disable=not progress)
@@ -685,6 +699,7 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
                                         batch_size=batch_size, max_len=model.config.block_size, device=device)
             correct[v][0] += round(r['acc'] * r['n'])
             correct[v][1] += round(r['acc_norm'] * r['n'])
+            right[v] += [float(pn == it['gold']) for pn, it in zip(r['pred_norm'], its)]
             pbar.update()
         runner.clear()
     pbar.close()
@@ -692,7 +707,8 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     base = {'acc': correct[None][0] / n, 'acc_norm': correct[None][1] / n}
     blocks = [{'block': l, 'acc': correct[l][0] / n, 'acc_norm': correct[l][1] / n,
                'delta_acc': (correct[l][0] - correct[None][0]) / n,
-               'delta_acc_norm': (correct[l][1] - correct[None][1]) / n} for l in range(L)]
+               'delta_acc_norm': (correct[l][1] - correct[None][1]) / n,
+               'se_delta_acc_norm': _paired_se(right[l], right[None])} for l in range(L)]
     return {'baseline': base, 'blocks': blocks, 'metric': 'acc_norm', 'n': n}
 
 
@@ -828,6 +844,12 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
                 out[metric] = prune_scan(model, tokenizer(), items, batch_size=args.eval_batch_size,
                                          progress=True)
                 out['settings'][metric] = {'n_items': len(items)}
+            elif metric in probe_analysis.ANALYSES:
+                if metric in ('jacobian', 'usefulness') and not probe_analysis._supported(model):
+                    skip(metric, f"{cfg.residual!r} computes its depth state from several streams: "
+                                 f"no map of z_l to z_l+1 to differentiate or replace")
+                    continue
+                out[metric] = probe_analysis.ANALYSES[metric][0](model, windows(metric), bs, args)
             elif metric == 'domain_nll':
                 if not evals.load_tasks(evals.NLL_TASKS, args.eval_dir):
                     skip(metric, f"no domain-NLL task in {args.eval_dir}; run `python data/evals/prepare.py`")
@@ -854,7 +876,9 @@ def _report(metric, r):
     # one summary line per metric, so a run shows what it found without opening the JSON
     if r is None:
         return
-    if metric == 'angular':
+    if metric in probe_analysis.ANALYSES:
+        print(probe_analysis.ANALYSES[metric][2](r))
+    elif metric == 'angular':
         print(f"angular: mean adjacent-state distance {_stat(np.nanmean, r['subsequent'][0]):.4f}, "
               f"embedding -> last {r['matrix'][0, -1]:.4f} ({r['n_tokens']:,} tokens)")
     elif metric == 'causal':
@@ -943,6 +967,10 @@ def main(argv=None):
                    help="R_causal counts blocks whose causal score C exceeds this (Eq. 6)")
     p.add_argument('--perm_threshold', type=float, default=PERM_THRESHOLD,
                    help="R_perm counts block pairs whose permutation score P exceeds this (Eq. 8)")
+    p.add_argument('--jacobian_probes', type=int, default=probe_analysis.JACOBIAN_PROBES,
+                   help="random probe vectors per block for the Jacobian deviation (0 = exact, D probes)")
+    p.add_argument('--usefulness_threshold', type=float, default=probe_analysis.USEFULNESS_THRESHOLD,
+                   help="a block is significant when its linear stand-in raises the loss by more than this")
     p.add_argument('--label', default=None, help="name in figures (default: the checkpoint's directory)")
     args = p.parse_args(argv)
     try:
@@ -954,6 +982,8 @@ def main(argv=None):
             raise ValueError(f"--device={args.device} but CUDA is not available; use --device=cpu")
         if args.dtype == 'bfloat16' and not args.device.startswith('cuda'):
             raise ValueError(f"--dtype=bfloat16 autocast is for CUDA only; on {args.device} use --dtype=float32")
+        if args.jacobian_probes < 0 or args.usefulness_threshold < 0:
+            raise ValueError("--jacobian_probes and --usefulness_threshold must be >= 0")
         for name in ('n_windows', 'seq_len', 'batch_size', 'eval_batch_size', 'n_boot'):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")
@@ -983,7 +1013,8 @@ def main(argv=None):
         out_dir = Path(args.out_dir or 'out/probe_compare')
         out_dir.mkdir(parents=True, exist_ok=True)
         with open(out_dir / 'compare.json', 'w') as f:
-            json.dump(_jsonable({r['label']: {k: v for k, v in r.items() if k in ('late_pairs', 'prune', 'propagation')}
+            json.dump(_jsonable({r['label']: {k: v for k, v in r.items() if k in ('late_pairs', 'prune', 'propagation',
+                                                                                 'usefulness', 'prune_lm')}
                                  for r in all_results}), f, indent=1)
         for path in probe_plots.plot_all(all_results, out_dir):
             print(f"wrote {path}")

@@ -420,6 +420,12 @@ def test_prune_scan_scores_the_arc_fixture_and_a_dead_block_changes_nothing(tmp_
         assert (got['acc'], got['acc_norm']) == pytest.approx(expected_arc(model, enc, items, skip={b}))
         assert got['delta_acc_norm'] == pytest.approx(got['acc_norm'] - r['baseline']['acc_norm'])
     assert r['blocks'][1]['delta_acc'] == 0 and r['blocks'][1]['delta_acc_norm'] == 0
+    # the error bar: standard error of the paired per-question difference, 0 for the dead block
+    assert r['blocks'][1]['se_delta_acc_norm'] == 0
+    base = [expected_arc(model, enc, [it])[1] for it in items]
+    for b in (0, 2):
+        d = np.array([expected_arc(model, enc, [it], skip={b})[1] for it in items]) - base
+        assert r['blocks'][b]['se_delta_acc_norm'] == pytest.approx(d.std(ddof=1) / math.sqrt(len(d)))
 
 # -----------------------------------------------------------------------------
 # data, checkpoints and the command line
