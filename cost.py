@@ -104,7 +104,7 @@ def blockattnres_sources(n_layer, attnres_blocks=8, appendix_d=True):
 
 
 def extra_flop_terms(residual, n_layer, n_embd, seq_len, *, n_head=16, n_kv_head=None,
-                     hc_streams=4, attnres_blocks=8, appendix_d=True):
+                     hc_streams=4, attnres_blocks=8, appendix_d=True, ffn_hidden=None):
     """
     The extra forward FLOPs of a residual scheme over Pre-LN for one sequence of T =
     seq_len tokens, split into named terms (dict name -> FLOPs; empty for schemes with
@@ -138,8 +138,11 @@ def extra_flop_terms(residual, n_layer, n_embd, seq_len, *, n_head=16, n_kv_head
       Slot 2b (block b's own k, v) reuses the attention projections: no extra FLOPs.
     Pre-LN, Sandwich, LNS, DeepNorm, KEEL, Post-LN, ReZero, LayerScale, ResiDual: only
       norms, gains, scalings and adds, which are not counted: no terms (ΔF = 0).
+    Any other scheme registered in residuals.RESIDUALS (no closed form here): one term,
+      'measured' = measured_extra_flops() of a model of this shape (ffn_hidden None =
+      the default SwiGLU width), which counts matrix products only.
 
-    Units: FLOPs (int). Raises ValueError for an unknown scheme or a bad head layout.
+    Units: FLOPs (int). Raises ValueError for an unregistered scheme or a bad head layout.
     """
     T, d, L = seq_len, n_embd, n_layer
     hd, n_kv = _heads(n_embd, n_head, n_kv_head)
@@ -161,8 +164,16 @@ def extra_flop_terms(residual, n_layer, n_embd, seq_len, *, n_head=16, n_kv_head
         slots = L * (L - 1)  # Σ_{b=1}^{L-1} 2b depth slots read per token
         return dict(depth_scores=2 * T * d * slots, depth_values=2 * T * d * slots,
                     depth_kv_proj=(L - 1) * 2 * T * d * 2 * n_kv * hd)
-    raise ValueError(f"unknown residual scheme {residual!r}; cost.py knows: "
-                     f"{', '.join(STUDY_SCHEMES + EXTRA_SCHEMES)}")
+    # a scheme without a closed form here (e.g. one you added to residuals.RESIDUALS):
+    # count what its model executes, minus Pre-LN of the same shape
+    from residuals import RESIDUALS
+    if residual not in RESIDUALS:
+        raise ValueError(f"unknown residual scheme {residual!r}; registered in residuals.RESIDUALS: "
+                         f"{', '.join(RESIDUALS)}")
+    cfg = GPTConfig(residual=residual, n_layer=L, n_embd=d, n_head=n_head, n_kv_head=n_kv_head,
+                    ffn_hidden=ffn_hidden, hc_streams=hc_streams, attnres_blocks=attnres_blocks,
+                    vocab_size=64, block_size=T)  # the LM head cancels in the difference
+    return dict(measured=measured_extra_flops(cfg, T))
 
 
 def extra_flops(residual, n_layer, n_embd, seq_len, **kw):
@@ -210,7 +221,7 @@ def forward_flops(n_layer, n_embd, seq_len, *, residual='preln', ffn_hidden=None
     proj = 2 * T * d * d * 2 + 2 * T * d * (n_kv * hd) * 2
     attn = (2 if attention == 'causal' else 4) * T * T * d
     head = 2 * d * V * (T if logits == 'all' else 1)
-    extra = extra_flops(residual, L, d, T, n_head=n_head, n_kv_head=n_kv_head, **scheme_opts)
+    extra = extra_flops(residual, L, d, T, n_head=n_head, n_kv_head=n_kv_head, ffn_hidden=ffn_hidden, **scheme_opts)
     return L * (proj + 6 * T * d * d_ff + attn) + head + extra
 
 
@@ -274,7 +285,9 @@ def param_count(config):
       ReZero    -2Ld + 2L         no norms, one scalar gate per sublayer
       LayerScale +2Ld             a per-channel gain per sublayer
       ResiDual  +d                one extra final norm (of the Pre-LN-style dual stream)
-    m = config.hc_streams. Returns an int; raises ValueError for an unknown scheme.
+    m = config.hc_streams. Any other scheme registered in residuals.RESIDUALS: counted on
+    its instantiated model (counted_params). Returns an int; raises ValueError for a
+    scheme that is not registered.
     """
     c = config
     L, d, V, d_ff = c.n_layer, c.n_embd, c.vocab_size, c.ffn_hidden
@@ -294,8 +307,20 @@ def param_count(config):
         'resdual': d,
     }
     if c.residual not in delta:
-        raise ValueError(f"param_count: no closed form for scheme {c.residual!r}; known: {', '.join(delta)}")
+        from residuals import RESIDUALS
+        if c.residual not in RESIDUALS:
+            raise ValueError(f"param_count: no closed form for scheme {c.residual!r} and it is not registered "
+                             f"in residuals.RESIDUALS ({', '.join(RESIDUALS)})")
+        return counted_params(c)  # a scheme without a closed form: count its model
     return base + delta[c.residual]
+
+
+def counted_params(config):
+    """Parameters of GPT(config) counted on the instantiated model, built on the meta
+    device (no memory, no arithmetic). param_count() uses it for a scheme it has no closed
+    form for; for the others the two agree (tested). Returns an int."""
+    with torch.device('meta'):
+        return GPT(config).num_params()
 
 # -----------------------------------------------------------------------------
 # cross-check against torch.utils.flop_counter
@@ -317,6 +342,47 @@ def _dot_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
 def _addcmul_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
     """aten.addcmul z + a * b: one multiply-add (2 FLOPs) per output element."""
     return 2 * math.prod(out_shape)
+
+
+def _count_forward(cfg, seq_len, batch=1, device='meta'):
+    """FlopCounterMode over one no-grad forward of GPT(cfg) on (batch, seq_len) token ids,
+    attention under the MATH SDPA kernel; see flop_check for the convention. Returns the counter."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    aten = torch.ops.aten
+    with torch.device(device):
+        model = GPT(cfg)
+        idx = torch.zeros(batch, seq_len, dtype=torch.long)
+    counter = FlopCounterMode(display=False, custom_mapping={
+        aten.mv: _mv_flops, aten.addmv: _addmv_flops, aten.dot: _dot_flops, aten.addcmul: _addcmul_flops})
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+        model(idx)
+    return counter
+
+
+def measured_extra_flops(config, seq_len):
+    """
+    ΔF of config's scheme over Pre-LN, measured: FlopCounterMode's count of one forward
+    of a seq_len-token sequence of GPT(config) minus that of the Pre-LN model of the same
+    shape, both on the meta device (no memory, no arithmetic) with the flop_check
+    convention. What extra_flop_terms() uses for a scheme without a closed form.
+
+    It counts matrix products (mm, bmm, mv, dot, addcmul, einsums that contract), so it
+    equals the closed form where a scheme's extra work is all matrix products (HC, mHC,
+    and 0 for the norm-and-gain schemes: tested), and misses per-token weighted sums
+    written as broadcast multiply-and-sum (Full AttnRes: it sees the depth scores, not
+    the weighted sum of the sources, half of the closed form). Units: FLOPs (int).
+    Raises ValueError if the scheme cannot run on the meta device.
+    """
+    cfg = GPTConfig(**{**config.__dict__, 'block_size': max(config.block_size, seq_len)})
+    try:
+        scheme = _count_forward(cfg, seq_len).get_total_flops()
+    except (RuntimeError, NotImplementedError) as e:
+        raise ValueError(f"cannot count the FLOPs of scheme {cfg.residual!r} on the meta device "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                         f"add a closed form to cost.extra_flop_terms") from None
+    base = _count_forward(GPTConfig(**{**cfg.__dict__, 'residual': 'preln'}), seq_len).get_total_flops()
+    return scheme - base
 
 
 def flop_check(config, seq_len, batch=1, device='meta'):
@@ -346,22 +412,14 @@ def flop_check(config, seq_len, batch=1, device='meta'):
     Returns dict(counted=int, analytic=int, missing=analytic - counted, by_op={op: FLOPs},
     terms=extra_flop_terms scaled by batch). Units: FLOPs.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
-    aten = torch.ops.aten
     cfg = GPTConfig(**{**config.__dict__, 'block_size': max(config.block_size, seq_len)})
-    with torch.device(device):
-        model = GPT(cfg)
-        idx = torch.zeros(batch, seq_len, dtype=torch.long)
-    counter = FlopCounterMode(display=False, custom_mapping={
-        aten.mv: _mv_flops, aten.addmv: _addmv_flops, aten.dot: _dot_flops, aten.addcmul: _addcmul_flops})
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
-        model(idx)
+    counter = _count_forward(cfg, seq_len, batch, device)
     counted = counter.get_total_flops()
     analytic = batch * config_flops(cfg, seq_len, attention='full', logits='all', appendix_d=False)
     terms = {k: batch * v for k, v in extra_flop_terms(cfg.residual, cfg.n_layer, cfg.n_embd, seq_len,
                                                         n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
-                                                        appendix_d=False, **_scheme_opts(cfg)).items()}
+                                                        ffn_hidden=cfg.ffn_hidden, appendix_d=False,
+                                                        **_scheme_opts(cfg)).items()}
     by_op = {str(k).removeprefix('aten.'): v for k, v in counter.get_flop_counts().get('Global', {}).items()}
     return dict(counted=counted, analytic=analytic, missing=analytic - counted, by_op=by_op, terms=terms)
 
@@ -520,7 +578,8 @@ def cost_rows(schemes, shapes, seq_len=4096, logits='last', attention='causal', 
         for scheme in schemes:
             cfg = GPTConfig(**{**config_kw, **extra}, residual=scheme, n_layer=L, n_embd=d, block_size=seq_len)
             flops = config_flops(cfg, seq_len, logits=logits, attention=attention)
-            dF = extra_flops(scheme, L, d, seq_len, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, **_scheme_opts(cfg))
+            dF = extra_flops(scheme, L, d, seq_len, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
+                             ffn_hidden=cfg.ffn_hidden, **_scheme_opts(cfg))
             rows.append(dict(scheme=scheme, L=L, d=d, ratio=d / L, seq_len=seq_len, n_head=cfg.n_head,
                              n_kv_head=cfg.n_kv_head,
                              ffn_hidden=cfg.ffn_hidden, params=param_count(cfg), flops=flops, extra_flops=dF,
@@ -660,7 +719,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         schemes = [s for s in args.schemes.split(',') if s]
-        known = STUDY_SCHEMES + EXTRA_SCHEMES
+        from residuals import RESIDUALS
+        known = list(dict.fromkeys(STUDY_SCHEMES + EXTRA_SCHEMES + tuple(RESIDUALS)))
         bad = [s for s in schemes if s not in known]
         if bad:
             raise ValueError(f"unknown scheme {', '.join(bad)}; choose from: {', '.join(known)}")

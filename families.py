@@ -2,9 +2,9 @@
 The experiment families of DepthBench (DESIGN §5, §6), each defined once, here.
 
 Every run of the study is (family, scheme, L, d, extra config keys). This file holds
-the tables, the rules that derive the shapes not listed in our notes, the
-pre-training recipe, and the per-scheme peak learning rates; the config files under
-config/ are *generated* from it:
+the tables, the rules that derive the shapes not listed in our notes and the
+pre-training recipe (each scheme's peak learning rate is its class's `peak_lr` in
+residuals.py); the config files under config/ are *generated* from it:
 
     python families.py            # print every family's table, (re)write config/
     python families.py --check    # only check that config/ matches this file (exit 1 if not)
@@ -36,19 +36,29 @@ VOCAB_SIZE = 50280  # GPT-2 BPE (50257) padded to the study's 50280 entries (DES
 BYTE_VOCAB_SIZE = 257  # 'fineweb_edu_byte': 256 bytes + an end-of-text token
 
 # -----------------------------------------------------------------------------
-# schemes and their peak learning rates (DESIGN §6, Table 4)
+# schemes; their peak learning rates (the paper's Table 4) are the scheme classes'
+# `peak_lr` in residuals.py, the one place they are written
 
 SCHEMES = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'attnres', 'blockattnres', 'moda')
 HEADLINE = ('preln', 'attnres', 'hc')  # the three schemes of the headline comparison (DESIGN §1)
 
-SCHEME_LR = {
-    'preln': 2e-3, 'sandwich': 2e-3, 'keel': 2e-3, 'hc': 2e-3, 'mhc': 2e-3,
-    'attnres': 2e-3, 'blockattnres': 2e-3, 'moda': 2e-3,
-    'deepnorm': 1e-3,  # the study's values for the two exceptions
-    'lns': 1e-2,
-    # classic schemes outside the study's ten: not tuned by it, the common default
-    'postln': 2e-3, 'rezero': 2e-3, 'layerscale': 2e-3, 'resdual': 2e-3,
-}
+
+def peak_lr(scheme):
+    """The peak learning rate of a registered scheme: its class's `peak_lr` (residuals.py).
+    Raises ValueError for a scheme not in residuals.RESIDUALS."""
+    from residuals import RESIDUALS  # read at call time: a scheme registered later counts too
+    if scheme not in RESIDUALS:
+        raise ValueError(f"unknown scheme {scheme!r}; registered in residuals.RESIDUALS: {', '.join(RESIDUALS)}")
+    return RESIDUALS[scheme].peak_lr
+
+
+def _scheme_lr():
+    from residuals import RESIDUALS
+    names = SCHEMES + tuple(n for n in RESIDUALS if n not in SCHEMES)  # the study's ten first
+    return {n: peak_lr(n) for n in names}
+
+
+SCHEME_LR = _scheme_lr()  # {scheme: peak LR} of the schemes registered at import, for tables and plot order
 
 # -----------------------------------------------------------------------------
 # the pre-training recipe (DESIGN §6): one place for every family
@@ -163,7 +173,7 @@ class Family:
     shapes: tuple
     schemes: tuple = HEADLINE
     base: dict = field(default_factory=dict)  # config keys shared by every run of the family
-    learning_rate: float | None = None  # None = SCHEME_LR[scheme]
+    learning_rate: float | None = None  # None = the scheme's peak_lr (residuals.py)
     vocab_size: int = VOCAB_SIZE
     n_head: int = 16
 
@@ -282,7 +292,7 @@ def _make_run(family, shape, scheme):
     cfg = dict(RECIPE, dataset='fineweb_edu')
     cfg.update(fam.base)
     cfg.update(residual=scheme, n_layer=shape.L, n_embd=shape.d, n_head=fam.n_head,
-               learning_rate=fam.learning_rate or SCHEME_LR[scheme], out_dir=out_dir)
+               learning_rate=fam.learning_rate or peak_lr(scheme), out_dir=out_dir)
     cfg.update(shape.extra)
     if 'max_iters' in cfg:  # a fixed step count replaces the tokens-per-parameter rule
         del cfg['tokens_per_param']

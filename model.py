@@ -12,8 +12,8 @@ together (norms, residual adds, streams, depth attention) belongs to the scheme 
 
     state = scheme.begin(embedding)
     for b in order:  state = scheme.block(state, b, blocks[b], rope)   # or scheme.skip
-    h = scheme.end(state)                                              # (B, T, d)
-    logits = lm_head(norm_f(h))
+    h = scheme.end(state)                       # the readout state, (B, T, d) or (B, T, m, d)
+    logits = lm_head(scheme.readout(h, norm_f))  # readout: the final norm, (B, T, d); default norm_f(h)
 
 so skipping, swapping or dropping blocks is just another `order` / `skip` for every
 scheme alike (the diagnostics of DESIGN §7 use exactly that).
@@ -53,10 +53,16 @@ class GPTConfig:
     residual: str = 'preln'        # the residual scheme, a key of residuals.RESIDUALS
     # scheme options (ignored by the schemes that do not use them)
     hc_streams: int = 4            # HC / mHC: number of streams m
-    hc_out_init_scale: bool = False  # HC / mHC: divide attn-out and MLP-down init by sqrt(m)
+    hc_out_init_scale: bool = True  # HC / mHC: divide attn-out and MLP-down init by sqrt(m) (the study's)
+    hc_readout: str = 'auto'       # HC / mHC readout: 'auto' (the study's code: 'norm_sum' for HC,
+                                   # 'mean' for mHC), 'norm_sum' (final norm per stream, then sum),
+                                   # 'sum' (sum, then final norm: the HC paper's text), 'mean'
     mhc_sinkhorn_iters: int = 20   # mHC: Sinkhorn-Knopp iterations on the mixing matrix
-    mhc_init: str = 'gap8'         # mHC: 'gap8' (near identity) or 'uniform'
+    mhc_init: str = 'gap8'         # mHC: 'gap8' (the study's newest: b_res 0 / -8), 'gap8_diag8'
+                                   # (its earlier b_res +8 / -8), or 'uniform'
     attnres_blocks: int = 8        # Block AttnRes: number of blocks (block size 2L / this)
+    attnres_eps: float = 1e-5      # AttnRes / Block AttnRes: eps of the key norms, of the norm on
+                                   # each read's result and of the final norm (the study's 1e-5)
     layerscale_init: float = 1e-4  # LayerScale: initial per-channel gain
 
     def __post_init__(self):
@@ -77,9 +83,13 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d):
-        """Builds a config from a dict, ignoring keys that are not config fields."""
+        """Builds a config from a dict (a checkpoint's model_args), ignoring keys that are not
+        config fields. A field that changes the forward pass and that older checkpoints lack
+        takes the value those checkpoints were trained with, not today's default:
+        hc_readout 'sum', attnres_eps = norm_eps."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        legacy = {'hc_readout': 'sum', 'attnres_eps': d.get('norm_eps', cls.norm_eps)}
+        return cls(**{**legacy, **{k: v for k, v in d.items() if k in names}})
 
 
 # -----------------------------------------------------------------------------
@@ -204,7 +214,7 @@ class GPT(nn.Module):
         - norm_f gain: 1;
         - then the scheme's own `init_weights(model)`: its norms, gains, queries and
           routing parameters, and any scheme-specific rescaling of the backbone
-          (DeepNorm's beta, HC's optional 1/sqrt(m)). It runs last so that nothing
+          (DeepNorm's beta, HC/mHC's 1/sqrt(m) on attention-out and MLP-down). It runs last so that nothing
           overwrites e.g. the zero-initialised AttnRes pseudo-queries.
         Call it again to re-initialise a model; it never touches buffers."""
         std = self.config.init_std
@@ -226,7 +236,8 @@ class GPT(nn.Module):
         return n - self.wte.weight.numel() if non_embedding else n
 
     def hidden(self, idx, order=None, skip=(), record=None):
-        """Runs the embedding and the blocks; returns h (B, T, d), the input of the final norm.
+        """Runs the embedding and the blocks; returns h = scheme.end(state), what `head` reads:
+        (B, T, d) for one-stream schemes, the streams (B, T, m, d) for HC / mHC.
 
         idx: (B, T) int64 token ids, T <= block_size.
         order: block indices to run, in order (default range(n_layer)); dropping a block
@@ -252,8 +263,11 @@ class GPT(nn.Module):
         return res.end(state)
 
     def head(self, h):
-        """LM head on a hidden state h (B, T, d) -> logits (B, T, V): lm_head(norm_f(h))."""
-        return self.lm_head(self.norm_f(h))
+        """LM head on a readout state h (`hidden`'s result or a lens state) -> logits (B, T, V):
+        lm_head(scheme.readout(h, norm_f)). The scheme applies the final RMSNorm (norm_f's gain)
+        because where it goes is part of the scheme: norm_f(h) for most, per stream then summed
+        for HC, with AttnRes's eps for AttnRes (residuals.Residual.readout)."""
+        return self.lm_head(self.residual.readout(h, self.norm_f))
 
     def forward(self, idx, targets=None, order=None, skip=()):
         """idx, targets: (B, T) int64 -> logits (B, T, V), loss (mean next-token cross-entropy
@@ -267,15 +281,25 @@ class GPT(nn.Module):
     # -------------------------------------------------------------------------
     # optimizer and efficiency
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, eps=1e-8, device_type='cpu'):
-        """AdamW with weight decay on matrices only (DESIGN §6, schemes.md): embedding,
-        LM head and linear weights decay; norm gains, pseudo-queries, scalar gates and the
-        parameters a scheme lists in `no_weight_decay()` (HC/mHC static routing) do not."""
+    def configure_optimizers(self, weight_decay, learning_rate, betas, eps=1e-8, device_type='cpu',
+                             decay_on='all'):
+        """AdamW with two groups, decayed (weight_decay) and not (0), chosen by `decay_on`:
+        'all' (default, the study's optimizer: one AdamW over every parameter, DESIGN §6):
+            every parameter decays (embedding, LM head, linear weights, norm gains, AttnRes
+            queries and key gains, MoDA W_kv, HC dynamic projections and scales, mHC phi)
+            except those the scheme exempts in `no_weight_decay()` (the study's
+            hyper_connections_common.py: HC static_alpha, static_beta; mHC bias and gates);
+        'matrices' (nanoGPT's): only parameters with >= 2 dims decay, minus the same exemptions.
+        Raises ValueError for another decay_on."""
+        if decay_on not in ('all', 'matrices'):
+            raise ValueError(f"decay_on must be 'all' (the study's groups) or 'matrices' (nanoGPT's), got {decay_on!r}")
         no_decay = {'residual.' + n for n in self.residual.no_weight_decay()}
+        assert no_decay <= {n for n, _ in self.named_parameters()}, "no_weight_decay() names a missing parameter"
         decay, other = [], []
         for n, p in self.named_parameters():
             if p.requires_grad:
-                (decay if p.dim() >= 2 and n not in no_decay else other).append(p)
+                decays = n not in no_decay and (decay_on == 'all' or p.dim() >= 2)
+                (decay if decays else other).append(p)
         groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': other, 'weight_decay': 0.0}]
         fused = device_type == 'cuda' and 'fused' in inspect.signature(torch.optim.AdamW).parameters
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)

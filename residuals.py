@@ -4,7 +4,7 @@ registry `RESIDUALS` (name -> class) that `GPTConfig.residual` selects from.
 
 A scheme owns the wiring between the 2L branches of the backbone (model.py holds the
 branches without norms): its norms, its extra parameters, its state (one residual
-stream, m streams, or the history of sources), and its readout before the final norm.
+stream, m streams, or the history of sources), its readout and where the final norm goes.
 The math that AttnRes, HC/mHC and MoDA are built on (depth softmax, routing projection,
 Sinkhorn, joint depth attention), with its hand-written backwards, is in ops.py.
 
@@ -13,7 +13,10 @@ The interface every scheme implements (`Residual`):
     state = begin(x)                     x: token embedding (B, T, d)
     state = block(state, b, layer, rope) run block b: layer.attn(x, rope), layer.mlp(x)
     state = skip(state, b)               the study's "skip block b" rule (probes.md §2)
-    h     = end(state)                   (B, T, d), goes into the final RMSNorm + LM head
+    h     = end(state)                   the readout state: (B, T, d), or HC/mHC's streams (B, T, m, d)
+    y     = readout(h, norm_f)           (B, T, d), the LM head's input: the final RMSNorm applied
+                                         where the scheme applies it (default norm_f(h); HC: on
+                                         each stream, then summed, as the study's code does)
     probe(state), lens(state)            the depth state z_l and the LogitLens readout r_l
                                          after the blocks run so far (probes.md §0, §5)
 
@@ -63,8 +66,9 @@ class Residual(nn.Module):
                 m.reset_parameters()
 
     def no_weight_decay(self):
-        """Names (relative to this module) of matrix-shaped parameters that must not be
-        weight-decayed. Vectors and scalars are never decayed."""
+        """Names (relative to this module) of the parameters exempt from weight decay in
+        every mode of GPT.configure_optimizers (the study's exemptions: HC/mHC static
+        routing). Default: none, every parameter of the scheme decays as in the study."""
         return set()
 
     def begin(self, x):
@@ -79,6 +83,12 @@ class Residual(nn.Module):
 
     def end(self, state):
         return state
+
+    def readout(self, h, norm):
+        """The LM head's input (B, T, d) from a readout state h (`end`'s result, or a `lens`
+        state): the final RMSNorm `norm` (the model's norm_f) applied where this scheme
+        applies it. Default: norm(h)."""
+        return norm(h)
 
     def probe(self, state):
         return state
@@ -144,6 +154,11 @@ class PreLN(SingleStream):
 # -----------------------------------------------------------------------------
 # Attention Residuals
 
+def rms_norm_eps(x, norm, eps):
+    """RMSNorm of x (B, T, d) with the gain of `norm` (an RMSNorm) but epsilon `eps`."""
+    return torch.nn.functional.rms_norm(x, (x.size(-1),), norm.weight.to(x.dtype), eps)
+
+
 def inv_rms(v, eps):
     """1 / sqrt(mean(v^2) + eps) over the last dim, in fp32: v (B, T, d) -> (B, T, 1)."""
     return torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + eps)
@@ -154,9 +169,9 @@ class DepthMixer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.eps = cfg.norm_eps
+        self.eps = cfg.attnres_eps
         self.query = nn.Parameter(torch.zeros(cfg.n_embd))
-        self.key_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.key_norm = RMSNorm(cfg.n_embd, cfg.attnres_eps)  # its eps is the 1/rms the state carries
 
     def forward(self, sources, inv_rmses):
         return depth_mix(sources, inv_rmses, self.query, self.key_norm.weight)
@@ -187,6 +202,12 @@ class AttnRes(Residual):
     RMSNorm(v_0) and has no depth parameters; a final aggregator mixes all 2L+1 sources
     into the input of the final RMSNorm. Extra parameters: 2d per read, 4Ld in all.
 
+    Epsilons, as in the study's code (its fused kernel kernels/attnres.py takes one eps, that
+    of the key norm, OLMo-core's RMSNorm default 1e-5): the key norms, the RMSNorm_pre,k on
+    each read's result (with the sublayer's own attn_norm / mlp_norm gain) and the final
+    norm (with norm_f's gain, `readout`) use cfg.attnres_eps; block 0's attention norm on
+    the embedding alone keeps cfg.norm_eps (1e-6). attnres_eps = norm_eps gives one eps.
+
     State: (sources, their 1/rms, mix) where mix is the raw depth mix the next block's
     attention reads: probe and lens state z_l (probes.md §0, §5).
     Skip rule (probes.md §2): a skipped block adds no sources, and the next read is the
@@ -205,17 +226,22 @@ class AttnRes(Residual):
             nn.init.zeros_(layer.out_mix.query)
 
     def begin(self, x):
-        return (x,), (inv_rms(x, self.cfg.norm_eps),), x
+        return (x,), (inv_rms(x, self.cfg.attnres_eps),), x
+
+    def attn_input(self, p, mix, embedding_only):
+        """The attention input of a block with parameters p: its attn_norm on the embedding
+        alone (the study's block 0, eps cfg.norm_eps), else on a read's result (attnres_eps)."""
+        return p.attn_norm(mix) if embedding_only else rms_norm_eps(mix, p.attn_norm, self.cfg.attnres_eps)
 
     def block(self, state, b, layer, rope):
         sources, inv_rmses, mix = state
-        p = self.layers[b]
-        f = layer.attn(p.attn_norm(mix), rope)
-        sources, inv_rmses = sources + (f,), inv_rmses + (inv_rms(f, self.cfg.norm_eps),)
+        p, eps = self.layers[b], self.cfg.attnres_eps
+        f = layer.attn(self.attn_input(p, mix, len(sources) == 1), rope)
+        sources, inv_rmses = sources + (f,), inv_rmses + (inv_rms(f, eps),)
         z, a = p.mlp_mix(sources, inv_rmses)
         self.record(b, 1, weights=a)
-        f = layer.mlp(p.mlp_norm(z))
-        sources, inv_rmses = sources + (f,), inv_rmses + (inv_rms(f, self.cfg.norm_eps),)
+        f = layer.mlp(rms_norm_eps(z, p.mlp_norm, eps))
+        sources, inv_rmses = sources + (f,), inv_rmses + (inv_rms(f, eps),)
         mix, a = p.out_mix(sources, inv_rmses)
         self.record(b + 1, 0, weights=a)  # the read of the next block's attention (or the final one)
         return sources, inv_rmses, mix
@@ -226,6 +252,9 @@ class AttnRes(Residual):
 
     def end(self, state):
         return state[2]
+
+    def readout(self, h, norm):
+        return rms_norm_eps(h, norm, self.cfg.attnres_eps)  # the study fuses it into the last read
 
     def probe(self, state):
         return state[2]
@@ -258,20 +287,31 @@ class MultiStream(Residual):
     (RMSNorm = the sublayer's ordinary pre-norm attn_norm / mlp_norm). Read and mix are one
     batched matmul [r | M]^T H (under torch.compile: the same product written as a broadcast
     multiply summed over the streams, which inductor fuses into one pass). The embedding is
-    copied into every stream; the readout is the sum of the streams. probe = the m streams
-    concatenated (B, T, m d), lens = their sum (B, T, d) (probes.md §0, §5); skip = identity
-    on all streams, no mixing and no write (probes.md §2). Trace per sublayer: read r
-    (B, T, m), mix M (B, T, m, m) with new stream t = sum_s M[s, t] H[s], write w (B, T, m).
+    copied into every stream. end = lens = the streams H (B, T, m, d), and `readout` applies
+    the final RMSNorm as cfg.hc_readout says ('auto' = the study's code, `default_readout`):
+      'norm_sum': sum_s RMSNorm_f(H[s])  (HC: the study's Transformer.forward, collapse 'sum',
+                  puts lm_head.norm on each stream and sums; the HC paper's text sums first)
+      'sum':      RMSNorm_f(sum_s H[s])  (that paper text; equal to 'mean' up to the norm's eps)
+      'mean':     RMSNorm_f(mean_s H[s]) (mHC: the study's Liger backend, collapse 'mean')
+    so the LogitLens of a depth state reads it as the model's own head does. probe = the m
+    streams concatenated (B, T, m d) (probes.md §0); skip = identity on all streams, no
+    mixing and no write (probes.md §2). Trace per sublayer: read r (B, T, m), mix M
+    (B, T, m, m) with new stream t = sum_s M[s, t] H[s], write w (B, T, m).
 
     The routing runs with autocast off, in the streams' dtype (fp32 under bf16 autocast,
     as Pre-LN's residual stream is); only the branch F runs under autocast.
     """
 
+    default_readout = 'sum'  # what hc_readout='auto' means for the subclass (the study's code)
+
     def __init__(self, cfg, route):
         super().__init__(cfg)
         if cfg.hc_streams < 1:
             raise ValueError(f"hc_streams must be >= 1, got {cfg.hc_streams}")
+        if cfg.hc_readout not in ('auto', 'norm_sum', 'sum', 'mean'):
+            raise ValueError(f"hc_readout must be 'auto', 'norm_sum', 'sum' or 'mean', got {cfg.hc_readout!r}")
         self.m = cfg.hc_streams
+        self.readout_mode = self.default_readout if cfg.hc_readout == 'auto' else cfg.hc_readout
         self.layers = nn.ModuleList([RoutedLayer(cfg, route) for _ in range(cfg.n_layer)])
 
     def routes(self):
@@ -283,7 +323,7 @@ class MultiStream(Residual):
     @torch.no_grad()
     def init_weights(self, model):
         super().init_weights(model)
-        if self.cfg.hc_out_init_scale:  # the study's config: the m streams each receive the branch output
+        if self.cfg.hc_out_init_scale:  # the study's scale_output_init_by_sqrt_n: m streams each receive the branch output
             for blk in model.blocks:
                 blk.attn.wo.weight.div_(math.sqrt(self.m))
                 blk.mlp.w_down.weight.div_(math.sqrt(self.m))
@@ -317,13 +357,19 @@ class MultiStream(Residual):
         return self.sublayer(H, b, 1, p.mlp_route, p.mlp_norm, layer.mlp)
 
     def end(self, H):
-        return H.sum(-2)                                        # (B, T, d)
+        return H                                                # (B, T, m, d), read by `readout`
+
+    def readout(self, H, norm):
+        assert H.dim() == 4 and H.size(-2) == self.m, "a multi-stream readout state is (B, T, m, d)"
+        if self.readout_mode == 'norm_sum':
+            return norm(H).sum(-2)                              # (B, T, d)
+        return norm(H.sum(-2) if self.readout_mode == 'sum' else H.mean(-2))
 
     def probe(self, H):
         return H.flatten(-2)                                    # (B, T, m d)
 
     def lens(self, H):
-        return H.sum(-2)                                        # (B, T, d)
+        return H                                                # (B, T, m, d): the head reads it via readout
 
 
 class HCRoute(nn.Module):
@@ -342,6 +388,7 @@ class HCRoute(nn.Module):
 
 
 class HC(MultiStream):
+
     """Hyper-Connections (Zhu et al., arXiv 2409.19606, dynamic variant; schemes.md "HC").
 
     m streams H (B, T, m, d). Sublayer k, with H_bar = RMS(H) per stream (no weight, eps 1e-8):
@@ -353,17 +400,23 @@ class HC(MultiStream):
     The coefficients come from the normalised streams but multiply the raw ones; W and
     w_beta are one fused (d, m+2) projection. Init: A_m = one-hot e_{k mod m} (k = 2b + j,
     chosen from the block index so that it travels with the block on a swap), A_r = I,
-    beta = 1, W = w_beta = 0, s_alpha = s_beta = 0.01: every stream then equals Pre-LN's h,
-    and the summed readout m h equals it after the final RMSNorm. Optional
-    (cfg.hc_out_init_scale, the study's config): attention-out and SwiGLU-down init / sqrt(m).
+    beta = 1, W = w_beta = 0, s_alpha = s_beta = 0.01, and (cfg.hc_out_init_scale, on by
+    default: the study's scale_output_init_by_sqrt_n) attention-out and SwiGLU-down init
+    divided by sqrt(m). Every stream then equals the h of Pre-LN run with the same
+    (rescaled) backbone weights, so the default readout, the final norm on each stream
+    summed, gives m times that Pre-LN model's logits ('sum' readout: exactly its logits).
     Extra parameters per sublayer: m(m+1) + d(m+1) + 1 + m + d + 1 = (m+2)(m+d) + 2.
-    Weight decay: the static routing parameters are exempt, the dynamic projections decay.
+    Weight decay (the study's hyper_connections_common.py): static_alpha and static_beta
+    are exempt; the dynamic projections and the scales s_alpha, s_beta decay.
 
     Differences from the study's code: A_r is applied (one public version of
     `hyper_connections.py` computed it and dropped it, probes.md §7; the later one applies
-    it, as here); the routing runs in the streams' dtype with autocast off, so under bf16
-    autocast the streams stay fp32 (the study's einsum would run in bf16 there).
+    it, as here); the study keeps parameters and streams in bf16, here the weights are fp32
+    and the routing runs in the streams' dtype with autocast off (fp32 under bf16 autocast).
+    Readout: see MultiStream ('norm_sum', the study's code, by default).
     """
+
+    default_readout = 'norm_sum'  # the study's Transformer.forward (collapse 'sum')
 
     def __init__(self, cfg):
         super().__init__(cfg, HCRoute)
@@ -423,24 +476,36 @@ class MHC(MultiStream):
         u = sum_i H_pre[i] H[i],  f = F(RMSNorm(u)),  H'[j] = sum_i H_res[i, j] H[i] + H_post[j] f
 
     All routing math (RMS, projection, gates, Sinkhorn, the read and mix) in fp32 with
-    autocast off. Readout: sum of the streams (the mean would be identical after the final
-    RMSNorm, up to its eps). Init cfg.mhc_init: 'gap8' (the study's text): phi = 0,
-    b_pre = +8 on stream k mod m and -8 elsewhere, b_res = +8 on the diagonal and -8 off
-    it, b_post = 0, so H_res ~ I, H_post = 1; or 'uniform': phi ~ N(0, 0.02^2), b = 0
-    (H_res ~ uniform, H_pre ~ 0.5, H_post ~ 1). Gates 0.01. Extra parameters per sublayer:
-    (m d + 1)(m^2 + 2m) + 3. Weight decay: phi decays, biases and gates do not.
+    autocast off. Readout (cfg.hc_readout 'auto'): the mean of the streams, then the final
+    RMSNorm, as the study's default (Liger) backend with collapse 'auto' does ('sum' differs
+    from it only through the norm's eps). Init cfg.mhc_init, all with phi = 0, b_post = 0,
+    b_pre = +8 on stream k mod m and -8 elsewhere (k = 2b + j), gates 0.01:
+      'gap8' (default; the study's newest code and its mhc_initialization_test):
+          b_res = 0 on the diagonal, -8 off it;
+      'gap8_diag8' (its earlier code, hyper_connections.py's PyTorch backend): b_res = +8 on
+          the diagonal, -8 off it. H_res is near I either way (entries within 1e-3 of I
+          with 0 / -8 at m = 4, 4e-7 with +8 / -8), but the Sinkhorn gradient into the
+          off-diagonal logits is ~3000x larger with 0 / -8 (relative weight e^-8, not e^-16);
+      'uniform': phi ~ N(0, 0.02^2), b = 0 (H_res ~ uniform, H_pre ~ 0.5, H_post ~ 1).
+    So H_pre ~ e_{k mod m}, H_res ~ I, H_post = 1 at the gap-8 inits. Extra parameters per
+    sublayer: (m d + 1)(m^2 + 2m) + 3. Weight decay (the study's hyper_connections_common.py,
+    Liger names b, alpha_*): phi decays; the bias and the three gates are exempt.
 
-    Differences from the study's code: its default (Liger) backend puts the bias inside
-    the gate, Sinkhorn(alpha_res (x' phi_res + b_res)), and its plain-PyTorch backend puts
-    a tanh on x' phi; we follow the paper's alpha x' phi + b (the same under the uniform
-    init, where b = 0, up to that tanh). The eps of RMS(vec H) is cfg.norm_eps (1e-6, the
-    Liger backend's; the PyTorch backend uses 1e-8). Sinkhorn: same row-then-column
-    rounds, first round in the log domain (`ops.sinkhorn`).
+    The coefficients are alpha * x' phi + b for every backend of the study: its Liger
+    backend computes mix * alpha + b as here, and its mHC runs with tanh=False (the PyTorch
+    backend's tanh is HC's). Remaining differences from the study's default (Liger)
+    backend: it keeps phi, the other parameters and the streams in bf16 (here fp32 weights,
+    routing in fp32 under bf16 autocast); its Sinkhorn adds 1e-6 to every entry and
+    denominator and normalises the other axis last (here rows then columns, first round in
+    the log domain, `ops.sinkhorn`; about 2e-6 in the logits at these sizes). The eps of
+    RMS(vec H) is cfg.norm_eps (1e-6, the Liger backend's; its PyTorch backend uses 1e-8).
     """
 
+    default_readout = 'mean'  # the study's Liger backend, collapse 'auto'
+
     def __init__(self, cfg):
-        if cfg.mhc_init not in ('gap8', 'uniform'):
-            raise ValueError(f"mhc_init must be 'gap8' or 'uniform', got {cfg.mhc_init!r}")
+        if cfg.mhc_init not in ('gap8', 'gap8_diag8', 'uniform'):
+            raise ValueError(f"mhc_init must be 'gap8', 'gap8_diag8' or 'uniform', got {cfg.mhc_init!r}")
         check_sinkhorn_iters(cfg.mhc_sinkhorn_iters, 'mhc_sinkhorn_iters')
         super().__init__(cfg, MHCRoute)
 
@@ -452,17 +517,18 @@ class MHC(MultiStream):
             for g in (r.alpha_pre, r.alpha_post, r.alpha_res):
                 g.fill_(0.01)
             r.bias.zero_()
-            if self.cfg.mhc_init == 'gap8':
+            if self.cfg.mhc_init in ('gap8', 'gap8_diag8'):
                 r.phi.zero_()
                 b_pre, b_res = r.bias[:m], r.bias[2 * m:].view(m, m)
                 b_pre.fill_(-8.0)
                 b_pre[k % m] = 8.0
-                b_res.fill_(-8.0).fill_diagonal_(8.0)
+                b_res.fill_(-8.0).fill_diagonal_(0.0 if self.cfg.mhc_init == 'gap8' else 8.0)
             else:
                 nn.init.normal_(r.phi, std=0.02)
 
     def no_weight_decay(self):
-        return {f'layers.{b}.{s}_route.bias' for b in range(len(self.layers)) for s in ('attn', 'mlp')}
+        return {f'layers.{b}.{s}_route.{n}' for b in range(len(self.layers)) for s in ('attn', 'mlp')
+                for n in ('bias', 'alpha_pre', 'alpha_post', 'alpha_res')}
 
     def coefficients(self, H, r):
         B, T, m, d = H.shape
@@ -542,7 +608,7 @@ class BlockAttnRes(AttnRes):
         """Appends the partial sum (if any) to the sources as a frozen block."""
         if partial is None:
             return sources, inv_rmses
-        return sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.norm_eps),)
+        return sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.attnres_eps),)
 
     def read(self, sources, inv_rmses, partial, k, mixer, b, j):
         """The input of sublayer k (recorded as block b, sublayer j): freezes P at a
@@ -556,7 +622,7 @@ class BlockAttnRes(AttnRes):
             z, a = mixer(sources, inv_rmses)
             current = -1
         else:
-            z, a = mixer(sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.norm_eps),))
+            z, a = mixer(sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.attnres_eps),))
             current = len(sources)
         if self.tape is not None:
             self.record(b, j, weights=a, current=torch.tensor(current))
@@ -566,14 +632,15 @@ class BlockAttnRes(AttnRes):
         return f.to(sources[0].dtype) if partial is None else partial + f
 
     def begin(self, x):
-        return BlockState((x,), (inv_rms(x, self.cfg.norm_eps),), None, 0, x, True)
+        return BlockState((x,), (inv_rms(x, self.cfg.attnres_eps),), None, 0, x, True)
 
     def block(self, state, b, layer, rope):
         sources, inv_rmses, partial, k, mix, _ = state
         p = self.layers[b]
-        partial = self.accumulate(sources, partial, layer.attn(p.attn_norm(mix), rope))
+        x = self.attn_input(p, mix, len(sources) == 1 and partial is None)
+        partial = self.accumulate(sources, partial, layer.attn(x, rope))
         sources, inv_rmses, partial, z, _ = self.read(sources, inv_rmses, partial, k + 1, p.mlp_mix, b, 1)
-        partial = self.accumulate(sources, partial, layer.mlp(p.mlp_norm(z)))
+        partial = self.accumulate(sources, partial, layer.mlp(rms_norm_eps(z, p.mlp_norm, self.cfg.attnres_eps)))
         # the read of the next block's attention, or the final aggregator (recorded as block b+1)
         sources, inv_rmses, partial, mix, boundary = self.read(sources, inv_rmses, partial, k + 2,
                                                                p.out_mix, b + 1, 0)

@@ -73,15 +73,18 @@ n_embd = 768  # d
 ffn_hidden = None  # SwiGLU width; None = 16 * ceil(8d/3 / 16)
 vocab_size = None  # None = from data/<dataset>/meta.json (50280 for GPT-2 BPE)
 hc_streams = 4  # HC/mHC streams m
-hc_out_init_scale = False  # HC/mHC: divide attn-out and MLP-down init by sqrt(m)
+hc_out_init_scale = True  # HC/mHC: divide attn-out and MLP-down init by sqrt(m) (the study's)
+hc_readout = 'auto'  # HC/mHC final norm: 'auto' (the study's: HC 'norm_sum', mHC 'mean'), 'norm_sum', 'sum', 'mean'
 mhc_sinkhorn_iters = 20  # mHC Sinkhorn-Knopp iterations
-mhc_init = 'gap8'  # mHC init: 'gap8' or 'uniform'
+mhc_init = 'gap8'  # mHC init: 'gap8' (the study's newest, b_res 0/-8), 'gap8_diag8' (its earlier +8/-8), 'uniform'
 attnres_blocks = 8  # Block AttnRes: number of blocks
+attnres_eps = 1e-5  # AttnRes/Block AttnRes: eps of key norms, read norms and final norm (the study's)
 # adamw optimizer (DESIGN §6)
 learning_rate = None  # peak LR; None = the scheme's (2e-3; DeepNorm 1e-3; LNS 1e-2)
 max_iters = None  # optimizer steps; None = tokens_per_param x parameters / tokens per step
 tokens_per_param = 20.0  # token budget when max_iters is None
 weight_decay = 0.1
+decay_on = 'all'  # 'all' (the study's: every parameter but HC/mHC static routing) or 'matrices' (nanoGPT's)
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # clip the global gradient norm at this value; 0 disables
@@ -157,7 +160,8 @@ RUN_CONTROL_KEYS = ('out_dir', 'init_from', 'eval_only', 'stop_iter', 'device', 
                     'dist_timeout')
 # the model's settings (GPTConfig fields): a resumed run keeps the checkpoint's
 MODEL_KEYS = ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'ffn_hidden', 'residual',
-              'hc_streams', 'hc_out_init_scale', 'mhc_sinkhorn_iters', 'mhc_init', 'attnres_blocks')
+              'hc_streams', 'hc_out_init_scale', 'hc_readout', 'mhc_sinkhorn_iters', 'mhc_init', 'attnres_blocks',
+              'attnres_eps')
 CHECKPOINT_PARTS = ('model', 'model_args', 'optimizer', 'iter_num', 'loader', 'rng')
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 _out_lock = None
@@ -194,12 +198,15 @@ RANGES = {  # key -> (lowest allowed value, whether the lowest value itself is a
     'gradient_accumulation_steps': (1, True), 'batch_size': (1, True), 'block_size': (1, True),
     'max_iters': (1, True), 'stop_iter': (1, True), 'warmup_iters': (0, True),
     'learning_rate': (0, False), 'tokens_per_param': (0, False), 'weight_decay': (0, True),
-    'grad_clip': (0, True), 'warmup_frac': (0, True), 'min_lr_frac': (0, True), 'dist_timeout': (0, False),
+    'grad_clip': (0, True), 'warmup_frac': (0, True), 'min_lr_frac': (0, True), 'attnres_eps': (0, False),
+    'dist_timeout': (0, False),
 }
 for _key, (_low, _inclusive) in RANGES.items():
     _v = globals()[_key]
     if _v is not None and (_v < _low or (_v == _low and not _inclusive)):
         fail(f"{_key}={_v:g} must be {'>=' if _inclusive else '>'} {_low}")
+if decay_on not in ('all', 'matrices'):
+    fail(f"decay_on={decay_on!r}: use 'all' (the study's weight-decay groups) or 'matrices' (nanoGPT's)")
 for _key in ('warmup_frac', 'min_lr_frac'):
     if globals()[_key] > 1:
         fail(f"{_key}={globals()[_key]} is a fraction: give a value in [0, 1]")
@@ -364,7 +371,7 @@ def model_args_of_config():
 
 # settings a resumed run may change, though it then no longer continues the run exactly
 SCHEDULE_KEYS = ('max_iters', 'learning_rate', 'tokens_per_param', 'warmup_iters', 'warmup_frac', 'min_lr_frac',
-                 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'batch_size', 'gradient_accumulation_steps',
+                 'weight_decay', 'decay_on', 'beta1', 'beta2', 'grad_clip', 'batch_size', 'gradient_accumulation_steps',
                  'seed', 'dataset')
 if init_from == 'resume':
     model_args = checkpoint['model_args']
@@ -398,7 +405,7 @@ for _path in (val_path,) + (() if 'vocab_size' in meta else (train_path,)):
         fail(f"{_path} holds token id {_max_id}, past the model's vocab_size={model_args['vocab_size']}: "
              f"use the data the model was made for, or a larger vocab_size")
 try:
-    model = GPT(GPTConfig(**model_args))
+    model = GPT(GPTConfig.from_dict(model_args))  # from_dict: older checkpoints keep their readout
 except ValueError as e:
     fail(str(e))
 if checkpoint is not None:
@@ -439,7 +446,7 @@ if fsdp:  # shard before the optimizer is built: FSDP2 replaces the parameters b
             register_fsdp_forward_method(blk.attn, method)
     fully_shard(raw_model, mp_policy=mp)
     autocast = nullcontext()  # FSDP2 casts the parameters itself
-optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), 1e-8, device_type)
+optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), 1e-8, device_type, decay_on)
 # fp16 gradients underflow without loss scaling; for bf16 and fp32 the scaler is a no-op
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
 iter_num, best_val_loss = 0, float('inf')

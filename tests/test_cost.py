@@ -198,6 +198,66 @@ def test_param_count_preln_table3():
         cost.param_count(GPTConfig(n_layer=2, n_embd=64, residual='nope'))
 
 # -----------------------------------------------------------------------------
+# a scheme without closed forms: counted parameters and measured ΔF
+
+
+@pytest.fixture
+def renamed(monkeypatch):
+    """registers an unchanged subclass of a scheme under a name cost.py has no closed form
+    for, so that its counts go through the fallback; returns the new name"""
+    def register(scheme):
+        name = f"renamed_{scheme}"
+        monkeypatch.setitem(RESIDUALS, name, type(f"Renamed{RESIDUALS[scheme].__name__}", (RESIDUALS[scheme],), {}))
+        return name
+    return register
+
+
+# ΔF terms the fallback cannot see: weighted sums written as broadcast multiply-and-sum
+UNSEEN = {'attnres': ('depth_values',), 'blockattnres': ('depth_values',)}
+
+
+@pytest.mark.parametrize('scheme', [s for s in SCHEMES if s != 'moda'])
+@pytest.mark.parametrize('shape', [TINY[0], TINY[2]], ids=[TINY_IDS[0], TINY_IDS[2]])
+def test_fallback_equals_the_closed_form(scheme, shape, renamed):
+    """The fallback of a scheme without closed forms, applied to a registered scheme:
+    the counted parameters equal its closed form, and the measured ΔF equals its closed
+    form where the extra work is all matrix products (HC, mHC, 0 for the norm-and-gain
+    schemes), Full/Block AttnRes's less the weighted sums the counter does not see.
+    (MoDA is left out: on the meta device its attention takes the null-key form, whose
+    extra attention FLOPs are not in the closed form; see check_flops.)"""
+    if scheme == 'blockattnres' and shape is TINY[0]:
+        shape = dict(shape, n_layer=8)  # 2L divisible by the 8 blocks, as the model needs
+    new = renamed(scheme)
+    cfg, ref = config(new, **shape), config(scheme, **shape)
+    assert new not in cost.STUDY_SCHEMES + cost.EXTRA_SCHEMES
+    assert cost.param_count(cfg) == cost.param_count(ref)
+    T = 16
+    kw = dict(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, ffn_hidden=cfg.ffn_hidden, hc_streams=cfg.hc_streams,
+              attnres_blocks=cfg.attnres_blocks)
+    terms = cost.extra_flop_terms(scheme, cfg.n_layer, cfg.n_embd, T, appendix_d=False, **kw)
+    seen = sum(v for k, v in terms.items() if k not in UNSEEN.get(scheme, ()))
+    assert cost.extra_flop_terms(new, cfg.n_layer, cfg.n_embd, T, **kw) == {'measured': seen}
+    assert cost.config_flops(cfg, T) - cost.config_flops(config('preln', **shape), T) == seen
+    if scheme in ('hc', 'mhc'):
+        assert seen > 0 and seen == cost.extra_flops(scheme, cfg.n_layer, cfg.n_embd, T, **kw)
+
+
+def test_fallback_refuses_an_unregistered_scheme():
+    with pytest.raises(ValueError, match="not registered"):
+        cost.param_count(GPTConfig(n_layer=2, n_embd=64, residual='nope'))
+    with pytest.raises(ValueError, match="RESIDUALS"):
+        cost.extra_flops('nope', 2, 64, 16)
+
+
+def test_cli_takes_a_scheme_without_closed_forms(renamed, tmp_path, capsys):
+    new = renamed('hc')
+    assert cost.main([f'--schemes=preln,hc,{new}', '--shapes=2x64', '--seq_len=32', f'--out={tmp_path}']) == 0
+    rows = {r['scheme']: r for r in json.loads((tmp_path / 'cost.json').read_text())['rows']}
+    assert {k: rows[new][k] for k in ('params', 'flops', 'extra_flops')} == \
+        {k: rows['hc'][k] for k in ('params', 'flops', 'extra_flops')}
+
+
+# -----------------------------------------------------------------------------
 # KV cache
 
 

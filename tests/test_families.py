@@ -161,12 +161,36 @@ def test_recipe_and_learning_rates():
     assert lr['deepnorm'] == 1e-3 and lr['lns'] == 1e-2 and lr['preln'] == lr['attnres'] == 2e-3
 
 
-def test_scheme_lr_matches_residuals_registry():
+# the paper's Table 4, written out by hand: the peak LR of each of the study's ten schemes
+TABLE4_PEAK_LR = dict(preln=2e-3, sandwich=2e-3, lns=1e-2, deepnorm=1e-3, keel=2e-3, hc=2e-3, mhc=2e-3,
+                      attnres=2e-3, blockattnres=2e-3, moda=2e-3)
+
+
+def test_peak_lr_is_the_scheme_class_attribute(monkeypatch):
+    """Each scheme's peak LR is written once, as its class's peak_lr: the study's values
+    are Table 4's, and a changed class attribute is what the generated runs use."""
     residuals = pytest.importorskip('residuals')
-    for name, cls in residuals.RESIDUALS.items():
-        assert name in families.SCHEME_LR, f"{name} has no peak LR in families.SCHEME_LR"
-        if hasattr(cls, 'peak_lr'):
-            assert cls.peak_lr == families.SCHEME_LR[name], name
+    assert {s: residuals.RESIDUALS[s].peak_lr for s in families.SCHEMES} == TABLE4_PEAK_LR
+    assert families.SCHEME_LR == {s: cls.peak_lr for s, cls in residuals.RESIDUALS.items()}
+    monkeypatch.setattr(residuals.RESIDUALS['hc'], 'peak_lr', 7e-4)
+    lr = {r.scheme: r.config['learning_rate'] for r in runs('main', shapes=[16])}
+    assert lr['hc'] == 7e-4 and lr['attnres'] == 2e-3
+    with pytest.raises(ValueError, match="unknown scheme"):
+        families.peak_lr('nope')
+
+
+def test_a_scheme_registered_elsewhere_does_not_disturb_the_families(monkeypatch):
+    """A scheme added to residuals.RESIDUALS but to no family: families and their configs
+    are unchanged, and its peak LR is read from its class."""
+    residuals = pytest.importorskip('residuals')
+
+    class Toy(residuals.PreLN):
+        peak_lr = 3e-3
+
+    before = [(r.name, r.config) for r in runs('main')]
+    monkeypatch.setitem(residuals.RESIDUALS, 'toy', Toy)
+    assert families.peak_lr('toy') == 3e-3
+    assert [(r.name, r.config) for r in runs('main')] == before
 
 
 def test_mini_family():

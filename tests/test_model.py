@@ -72,7 +72,7 @@ def test_attnres_zero_init_equals_preln():
     (up to eps, which we make negligible)."""
     torch.manual_seed(0)
     pre = GPT(GPTConfig(norm_eps=1e-12, **TINY))
-    att = GPT(GPTConfig(norm_eps=1e-12, residual='attnres', **TINY))
+    att = GPT(GPTConfig(norm_eps=1e-12, attnres_eps=1e-12, residual='attnres', **TINY))
     missing, unexpected = att.load_state_dict(pre.state_dict(), strict=False)
     assert not unexpected and all('_mix.' in k for k in missing)
     with torch.no_grad():  # non-trivial norm gains, to check they are the shared pre-norms
@@ -151,11 +151,26 @@ def test_preln_skip_is_identity_block_and_record_states():
 
 def test_configure_optimizers_groups():
     m = GPT(GPTConfig(residual='attnres', **TINY))
-    opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
-    decay, other = opt.param_groups
+    # the study's optimizer (default): one decayed group over every AttnRes-model parameter
+    decay, other = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95)).param_groups
     assert decay['weight_decay'] == 0.1 and other['weight_decay'] == 0.0
+    assert sum(p.numel() for p in decay['params']) == m.num_params() and not other['params']
+    # nanoGPT's: matrices only
+    opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), decay_on='matrices')
+    decay, other = opt.param_groups
     assert all(p.dim() >= 2 for p in decay['params']) and all(p.dim() < 2 for p in other['params'])
     assert sum(p.numel() for g in opt.param_groups for p in g['params']) == m.num_params()
+    with pytest.raises(ValueError, match='decay_on'):
+        m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), decay_on='vectors')
+
+
+def test_old_checkpoint_configs_keep_their_readout():
+    # model_args saved before hc_readout / attnres_eps existed load with the values they trained with
+    old = {k: v for k, v in vars(GPTConfig(residual='hc', **TINY)).items() if k not in ('hc_readout', 'attnres_eps')}
+    cfg = GPTConfig.from_dict(old)
+    assert cfg.hc_readout == 'sum' and cfg.attnres_eps == cfg.norm_eps
+    new = GPTConfig.from_dict(vars(GPTConfig(residual='hc', **TINY)))
+    assert new.hc_readout == 'auto' and new.attnres_eps == 1e-5
 
 
 def test_mfu_is_none_on_cpu():

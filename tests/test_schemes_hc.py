@@ -98,7 +98,7 @@ def pair(residual, **kw):
         for n, p in pre.named_parameters():
             if n.endswith('norm.weight') or n == 'norm_f.weight':
                 p.add_(0.2 * torch.randn_like(p))
-    model = make(residual, norm_eps=1e-12, seed=7, **kw)
+    model = make(residual, norm_eps=1e-12, attnres_eps=1e-12, seed=7, **kw)
     missing, unexpected = model.load_state_dict(pre.state_dict(), strict=False)
     assert not unexpected
     assert all(k.startswith('residual.') for k in missing)
@@ -106,11 +106,28 @@ def pair(residual, **kw):
 
 
 @torch.no_grad()
-def test_hc_at_init_equals_preln():
-    model, pre = pair('hc', hc_out_init_scale=True)
+def test_hc_at_init_is_m_times_preln():
+    # All streams stay equal to the h of Pre-LN with the same backbone weights (one-hot read,
+    # A_r = I, beta = 1), exact up to fp32 rounding. The default readout (the study's: the
+    # final norm on each stream, then the sum) therefore gives m times Pre-LN's logits; the
+    # paper's "sum, then norm" gives Pre-LN's logits themselves.
     idx = tokens()
-    # all streams stay equal to Pre-LN's h (one-hot read, A_r = I, beta = 1); exact up to fp32 rounding
+    model, pre = pair('hc')
+    assert model.residual.readout_mode == 'norm_sum'
+    torch.testing.assert_close(model(idx)[0], 4 * pre(idx)[0], rtol=1e-5, atol=4e-5)
+    model, pre = pair('hc', hc_readout='sum')
     torch.testing.assert_close(model(idx)[0], pre(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+@torch.no_grad()
+def test_multistream_out_init_scaled_by_sqrt_m_by_default(residual):
+    # the study's scale_output_init_by_sqrt_n: the same draws as without it, over sqrt(m)
+    a, b = make(residual, hc_streams=4, seed=2), make(residual, hc_streams=4, seed=2, hc_out_init_scale=False)
+    for blk_a, blk_b in zip(a.blocks, b.blocks):
+        torch.testing.assert_close(blk_a.attn.wo.weight, blk_b.attn.wo.weight / 2, rtol=0, atol=0)
+        torch.testing.assert_close(blk_a.mlp.w_down.weight, blk_b.mlp.w_down.weight / 2, rtol=0, atol=0)
+        torch.testing.assert_close(blk_a.attn.wq.weight, blk_b.attn.wq.weight, rtol=0, atol=0)
 
 
 @torch.no_grad()
@@ -410,11 +427,11 @@ def test_multistream_probe_lens_and_skip(residual):
     rec = []
     h = model.hidden(idx, skip=(2,), record=rec)
     probe0, lens0 = rec[0]
-    assert probe0.shape == (2, 16, m * 64) and lens0.shape == (2, 16, 64)
+    assert probe0.shape == (2, 16, m * 64) and lens0.shape == (2, 16, m, 64)
     torch.testing.assert_close(probe0, x.repeat(1, 1, m))  # z_0 = m copies of the embedding
-    torch.testing.assert_close(lens0, m * x)
+    torch.testing.assert_close(lens0, x.unsqueeze(-2).expand(-1, -1, m, -1))  # lens = the streams
     torch.testing.assert_close(rec[3][0], rec[2][0], rtol=0, atol=0)  # skip = identity on all streams
-    torch.testing.assert_close(h, rec[-1][1])  # readout = sum of the streams = the last lens
+    torch.testing.assert_close(h, rec[-1][1])  # the head reads the streams, as it reads the last lens
     assert (rec[2][0] - rec[1][0]).abs().max() > 1e-3
 
 
@@ -498,7 +515,8 @@ def test_routing_travels_with_the_block(residual):
 # training and checkpoints
 
 def test_weight_decay_groups():
-    for residual, static, dynamic in [('hc', 'static_alpha', 'dynamic_alpha'), ('mhc', 'bias', 'phi')]:
+    for residual, static, dynamic in [('hc', 'static_alpha', 'dynamic_alpha'), ('mhc', 'bias', 'phi'),
+                                      ('hc', 'static_beta', 'alpha_scale'), ('mhc', 'alpha_res', 'phi')]:
         model = make(residual, n_layer=2)
         names = dict(model.residual.named_parameters())
         nwd = model.residual.no_weight_decay()
