@@ -27,7 +27,7 @@ def test_attnres_depth_scores_follow_the_formula_with_nonzero_queries():
     mix = sum_i a_i v_i, for the output-side read of block 0 (sources: embedding, attention
     and MLP outputs of block 0), with a random query of unit-scale scores."""
     model = tiny('attnres')
-    d, eps = 64, model.config.norm_eps
+    d, eps = 64, model.config.attnres_eps
     g = torch.Generator().manual_seed(1)
     layer = model.residual.layers[0]
     layer.out_mix.query.copy_(torch.randn(d, generator=g))

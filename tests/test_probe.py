@@ -691,7 +691,6 @@ def test_a_later_probe_run_keeps_the_metrics_it_does_not_recompute(tmp_path, cap
     merged = json.loads((ckpt.parent / 'probe' / 'probe.json').read_text())
     assert merged['angular'] == first['angular'] and merged['causal'] == first['causal'] and 'permutation' in merged
     assert set(merged['settings']) == {'angular', 'causal', 'permutation'}
-    assert merged['late_pairs']['n_perm_pairs'] > 0 and merged['late_pairs']['n_causal_pairs'] > 0
     assert 'kept angular, causal' in capsys.readouterr().out
     assert (ckpt.parent / 'probe' / 'angular.png').is_file()  # figures of the kept metrics too
     # another checkpoint at the same path (a later iteration): the old results are moved aside

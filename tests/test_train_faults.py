@@ -247,7 +247,8 @@ def test_damaged_data_and_checkpoints_give_one_line_errors(data_dir, tmp_path):
     one_line_error(train(*resume, check=False), 'ckpt.pt lacks loader')
     torch.save([1, 2], out / 'ckpt.pt')
     one_line_error(train(*resume, check=False), 'ckpt.pt lacks model, model_args')
-    torch.save(dict(good, model_args=dict(good['model_args'], residual='attnres')), out / 'ckpt.pt')
+    torch.save(dict(good, model_args=dict(good['model_args'], residual='attnres'),
+                    config=dict(good['config'], residual='attnres')), out / 'ckpt.pt')
     one_line_error(train(*resume, check=False), "do not fit its model_args (residual='attnres'")
 
 
