@@ -149,6 +149,15 @@ def _read_meta(path):
     return meta
 
 
+def _same_tokenizer(a, b):
+    # names of built-in tokenizers compare as names; tokenizer.json files by absolute path, and
+    # two different files are not refused (a copy of one tokenizer may live anywhere)
+    files = [str(n).endswith('.json') for n in (a, b)]
+    if all(files):
+        return True
+    return not any(files) and a == b
+
+
 def check_tokenizer(ckpt, vocab_size, val_bin, requested=None):
     """Refuses (ValueError) held-out data or a --tokenizer of another tokenizer than the
     model's: the tokenizer in the meta.json beside val_bin against the one recorded for the
@@ -162,14 +171,14 @@ def check_tokenizer(ckpt, vocab_size, val_bin, requested=None):
     trained = own_meta.get('tokenizer') or config.get('tokenizer')
     data = data_meta.get('tokenizer')
     where = Path(val_bin).parent / 'meta.json' if val_bin else None
-    if trained and data and trained != data:
+    if trained and data and not _same_tokenizer(trained, data):
         raise ValueError(f"{val_bin} holds {data!r} tokens ({where}), the model was trained on {trained!r} tokens: "
                          f"pass the --val_bin of the data the model was trained on")
     if data_meta.get('vocab_size') and config.get('vocab_size') is None and data_meta['vocab_size'] != vocab_size:
         raise ValueError(f"{val_bin} is data of a {data_meta['vocab_size']:,}-id vocabulary ({where}), the model has "
                          f"vocab_size {vocab_size:,}: pass the --val_bin of the data the model was trained on")
     known = trained or data
-    if requested and known and requested != known:
+    if requested and known and not _same_tokenizer(requested, known):
         raise ValueError(f"--tokenizer={requested} but the model's data is {known!r} "
                          f"({where if data else 'its checkpoint'}): drop --tokenizer, or pass the model's")
 
