@@ -243,7 +243,7 @@ def domain_nll(logits_fn, enc, tasks_data, *, pairs=None, batch_size=8, max_len=
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Token statistics of the prepared evaluation sets")
-    parser.add_argument('--tokenizer', default='gpt2', help="tokenizer name for tokenizer.get_tokenizer")
+    parser.add_argument('--tokenizer', default='gpt2', help="gpt2, byte or path/to/tokenizer.json (tokenizer.get_tokenizer)")
     parser.add_argument('--eval_dir', default=str(EVAL_DIR))
     args = parser.parse_args(argv)
     from tokenizer import get_tokenizer

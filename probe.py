@@ -634,9 +634,10 @@ def block_weights(model, windows, batch_size=BATCH_SIZE, dead_threshold=0.1, pro
 @torch.no_grad()
 def logit_lens(model, windows, batch_size=BATCH_SIZE, progress=False):
     """LogitLens (Fig. 8 right, probes.md §5): p_l = softmax(model.head(r_l)) for the lens state
-    r_l (residual.lens: the residual stream, the sum of HC streams, the AttnRes mix the next
-    read produces) after l = 0..L blocks; p_final = the model's actual output. Per next-token
-    position 0..T-2, token-weighted over windows:
+    r_l (residual.lens: the residual stream, HC/mHC's streams, the AttnRes mix the next
+    read produces; model.head decodes it with the scheme's readout) after l = 0..L blocks;
+    p_final = the model's actual output. Per next-token position 0..T-2, token-weighted
+    over windows:
     'kl' = KL(p_final || p_l) = sum p_final (log p_final - log p_l) (nats; 0 at l = L),
     'ce' = early-exit cross-entropy (nats), 'top5' = |top5(p_l) & top5(p_final)| / 5.
     Returns {'kl', 'ce', 'top5': lists of L+1 floats, 'n_tokens'}."""
@@ -1029,7 +1030,8 @@ def main(argv=None):
     p.add_argument('--batch_size', type=int, default=BATCH_SIZE, help="windows per micro-batch")
     p.add_argument('--seed', type=int, default=42, help="window sampling seed (probes.md §0)")
     p.add_argument('--val_bin', default=None, help="held-out tokens; default data/<dataset>/val.bin")
-    p.add_argument('--tokenizer', default=None, help="default: from the dataset's meta.json")
+    p.add_argument('--tokenizer', default=None,
+                   help="gpt2, byte or path/to/tokenizer.json; default: from the dataset's meta.json or the checkpoint")
     p.add_argument('--eval_dir', default=str(evals.EVAL_DIR), help="evaluation sets from data/evals/prepare.py")
     p.add_argument('--eval_batch_size', type=int, default=8, help="sequences per batch in prune / domain_nll")
     p.add_argument('--arc_limit', type=int, default=None, help="score only the first N ARC-Easy questions")

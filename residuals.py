@@ -287,16 +287,19 @@ class MultiStream(Residual):
     (RMSNorm = the sublayer's ordinary pre-norm attn_norm / mlp_norm). Read and mix are one
     batched matmul [r | M]^T H (under torch.compile: the same product written as a broadcast
     multiply summed over the streams, which inductor fuses into one pass). The embedding is
-    copied into every stream. end = lens = the streams H (B, T, m, d), and `readout` applies
-    the final RMSNorm as cfg.hc_readout says ('auto' = the study's code, `default_readout`):
+    copied into every stream. end = the streams H (B, T, m, d), and `readout` applies the
+    final RMSNorm as cfg.hc_readout says ('auto' = the study's code, `default_readout`):
       'norm_sum': sum_s RMSNorm_f(H[s])  (HC: the study's Transformer.forward, collapse 'sum',
                   puts lm_head.norm on each stream and sums; the HC paper's text sums first)
       'sum':      RMSNorm_f(sum_s H[s])  (that paper text; equal to 'mean' up to the norm's eps)
       'mean':     RMSNorm_f(mean_s H[s]) (mHC: the study's Liger backend, collapse 'mean')
-    so the LogitLens of a depth state reads it as the model's own head does. probe = the m
-    streams concatenated (B, T, m d) (probes.md §0); skip = identity on all streams, no
-    mixing and no write (probes.md §2). Trace per sublayer: read r (B, T, m), mix M
-    (B, T, m, m) with new stream t = sum_s M[s, t] H[s], write w (B, T, m).
+    lens = the streams too, so LogitLens decodes a depth state exactly as the head decodes
+    the last one (its KL to the output is 0 after the last block). The study's analysis
+    code (depth_probes.decode_readout) instead decodes RMSNorm_f(reduce(H)), the sum (the
+    mean for mHC); for HC that differs from its own readout. probe = the m streams
+    concatenated (B, T, m d) (probes.md §0, §5); skip = identity on all streams, no mixing
+    and no write (probes.md §2). Trace per sublayer: read r (B, T, m), mix M (B, T, m, m) with new
+    stream t = sum_s M[s, t] H[s], write w (B, T, m).
 
     The routing runs with autocast off, in the streams' dtype (fp32 under bf16 autocast,
     as Pre-LN's residual stream is); only the branch F runs under autocast.
@@ -359,17 +362,21 @@ class MultiStream(Residual):
     def end(self, H):
         return H                                                # (B, T, m, d), read by `readout`
 
+    def reduce(self, H):
+        """The study's reduce_residual_streams: (B, T, m, d) -> (B, T, d), mean or sum."""
+        return H.mean(-2) if self.readout_mode == 'mean' else H.sum(-2)
+
     def readout(self, H, norm):
         assert H.dim() == 4 and H.size(-2) == self.m, "a multi-stream readout state is (B, T, m, d)"
         if self.readout_mode == 'norm_sum':
             return norm(H).sum(-2)                              # (B, T, d)
-        return norm(H.sum(-2) if self.readout_mode == 'sum' else H.mean(-2))
+        return norm(self.reduce(H))
 
     def probe(self, H):
         return H.flatten(-2)                                    # (B, T, m d)
 
     def lens(self, H):
-        return H                                                # (B, T, m, d): the head reads it via readout
+        return H                                                # (B, T, m, d), decoded by `readout`
 
 
 class HCRoute(nn.Module):

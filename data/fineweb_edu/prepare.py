@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # tokenizer.py lives at the repo root
-from tokenizer import TOKENIZERS, get_tokenizer  # noqa: E402
+from tokenizer import TOKENIZERS, check_uint16, get_tokenizer, is_tokenizer_file  # noqa: E402
 
 HUB_DATASET, HUB_CONFIG = 'HuggingFaceFW/fineweb-edu', 'sample-10BT'
 FORMATS = ('.parquet', '.jsonl', '.jsonl.gz')
@@ -142,7 +142,8 @@ def parse_args(argv):
     p.add_argument('--input', nargs='+', default=None, metavar='PATH',
                    help=f"local shards ({', '.join(FORMATS)}), directories or globs; default: stream {HUB_DATASET}")
     p.add_argument('--text_field', default='text', help="record field holding the document text")
-    p.add_argument('--tokenizer', default='gpt2', choices=list(TOKENIZERS))
+    p.add_argument('--tokenizer', default='gpt2', metavar='{' + ','.join(TOKENIZERS) + '} or tokenizer.json',
+                   help="a built-in tokenizer or a HuggingFace tokenizer.json (e.g. the study's, beside its checkpoints)")
     p.add_argument('--out_dir', default=None, help="default: data/fineweb_edu (gpt2), data/fineweb_edu_byte (byte)")
     p.add_argument('--num_docs', type=int, default=None, help="cap on documents; default: all local docs, 200,000 from the hub")
     p.add_argument('--val_fraction', type=float, default=0.005, help="expected fraction of documents in val.bin")
@@ -165,9 +166,9 @@ def main(argv=None):
     if args.num_proc < 1:
         raise ValueError(f"--num_proc must be at least 1, got {args.num_proc}")
     tok = get_tokenizer(args.tokenizer)
-    if tok.n_vocab > 2**16:  # a check, not an assert: `python -O` would wrap ids silently
-        raise ValueError(f"tokenizer {tok.name!r} has {tok.n_vocab:,} ids: they do not fit the uint16 token files")
-    default_name = 'fineweb_edu' if args.tokenizer == 'gpt2' else f'fineweb_edu_{args.tokenizer}'
+    check_uint16(tok)
+    suffix = Path(args.tokenizer).parent.name or 'file' if is_tokenizer_file(args.tokenizer) else args.tokenizer
+    default_name = 'fineweb_edu' if args.tokenizer == 'gpt2' else f'fineweb_edu_{suffix}'
     out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / 'data' / default_name
 
     if args.input:
