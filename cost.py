@@ -707,10 +707,19 @@ def plot(rows, path, losses=None, title=''):
 
 
 def _parse_shapes(text):
-    try:
-        return [tuple(int(x) for x in s.lower().split('x')) for s in text.split(',') if s]
-    except ValueError:
-        raise ValueError(f"--shapes={text}: write LxD pairs, e.g. --shapes=16x1216,32x896") from None
+    """'16x1216,32x896' -> [(16, 1216), (32, 896)]; raises ValueError (one line) for anything
+    that is not a comma-separated list of LxD pairs of positive integers."""
+    shapes = []
+    for item in filter(None, (i.strip() for i in text.split(','))):  # a trailing comma is harmless
+        parts = item.lower().split('x')
+        try:
+            L, d = (int(x) for x in parts)
+            assert L > 0 and d > 0
+        except (ValueError, AssertionError):  # not two parts, not integers, or not positive
+            raise ValueError(f"--shapes={text}: {item!r} is not an LxD pair of positive integers; "
+                             f"write e.g. --shapes=16x1216,32x896") from None
+        shapes.append((L, d))
+    return shapes
 
 
 def main(argv=None):

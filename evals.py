@@ -113,7 +113,8 @@ def _default_device(logits_fn):
 
 
 @torch.no_grad()
-def continuation_logprobs(logits_fn, enc, pairs, *, batch_size=8, max_len=2048, device=None, pad_id=None, progress=False):
+def continuation_logprobs(logits_fn, enc, pairs, *, batch_size=8, max_len=2048, device=None, pad_id=None, progress=False,
+                          desc='scoring'):
     """Sum of log p(continuation tokens | context) for each pair (probes.md §4, §8).
 
     pairs: (context, continuation) strings, encoded with encode_pair, or (ctx_ids, cont_ids)
@@ -146,7 +147,7 @@ def continuation_logprobs(logits_fn, enc, pairs, *, batch_size=8, max_len=2048, 
     starts = range(0, len(order), batch_size)
     if progress:
         from tqdm import tqdm
-        starts = tqdm(starts, desc='scoring', unit='batch')
+        starts = tqdm(starts, desc=desc, unit='batch')  # desc: what is scored (a task name)
     for s in starts:
         batch = order[s:s + batch_size]
         T = len(inputs[batch[0]])  # longest in the batch, as sorted
@@ -183,7 +184,7 @@ def arc_easy_accuracy(logits_fn, enc, items, *, pairs=None, batch_size=8, max_le
     if len(pairs) != sum(n_choices):
         raise ValueError(f"{len(pairs)} pairs for {sum(n_choices)} choices; build them with prepare_pairs(enc, items)")
     scores = continuation_logprobs(logits_fn, enc, pairs, batch_size=batch_size, max_len=max_len,
-                                   device=device, progress=progress)
+                                   device=device, progress=progress, desc='ARC-Easy')
     pred, pred_norm, logprobs = [], [], []
     k = 0
     for item, m in zip(items, n_choices):
@@ -214,14 +215,16 @@ def domain_nll(logits_fn, enc, tasks_data, *, pairs=None, batch_size=8, max_len=
              'categories': {cat: {nll, nll_pooled, tasks, missing}}, 'skipped': [...]}."""
     pairs = dict(pairs or {})
     tasks = {}
+    present = [name for name, items in tasks_data.items() if items is not None]
     for name, items in tasks_data.items():
         if items is None:
             continue
         if name not in NLL_TASKS:
             raise ValueError(f"{name!r} is not a domain-NLL task; choose from {NLL_TASKS}")
         p = pairs.get(name) or prepare_pairs(enc, items)
-        scores = continuation_logprobs(logits_fn, enc, p, batch_size=batch_size, max_len=max_len,
-                                       device=device, progress=progress)
+        scores = continuation_logprobs(logits_fn, enc, p, batch_size=batch_size, max_len=max_len, device=device,
+                                       progress=progress,
+                                       desc=f"domain NLL {present.index(name) + 1}/{len(present)}: {name}")
         if not scores:
             raise ValueError(f"task {name!r} has no items; re-run `python data/evals/prepare.py --tasks {name}`")
         nll_sum = -sum(s for s, _ in scores)

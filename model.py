@@ -58,6 +58,9 @@ class GPTConfig:
                                    # 'mean' for mHC), 'norm_sum' (final norm per stream, then sum),
                                    # 'sum' (sum, then final norm: the HC paper's text), 'mean'
     mhc_sinkhorn_iters: int = 20   # mHC: Sinkhorn-Knopp iterations on the mixing matrix
+    mhc_sinkhorn: str = 'liger'    # mHC: Sinkhorn of the study's default backend (liger_kernel:
+                                   # per-output sums first, per-input last, eps 1e-6), or 'plain'
+                                   # (its PyTorch backend's sinkhorn_log: per-input first, no eps)
     mhc_init: str = 'gap8'         # mHC: 'gap8' (the study's newest: b_res 0 / -8), 'gap8_diag8'
                                    # (its earlier b_res +8 / -8), or 'uniform'
     attnres_blocks: int = 8        # Block AttnRes: number of blocks (block size 2L / this)
@@ -86,9 +89,9 @@ class GPTConfig:
         """Builds a config from a dict (a checkpoint's model_args), ignoring keys that are not
         config fields. A field that changes the forward pass and that older checkpoints lack
         takes the value those checkpoints were trained with, not today's default:
-        hc_readout 'sum', attnres_eps = norm_eps."""
+        hc_readout 'sum', attnres_eps = norm_eps, mhc_sinkhorn 'plain'."""
         names = {f.name for f in fields(cls)}
-        legacy = {'hc_readout': 'sum', 'attnres_eps': d.get('norm_eps', cls.norm_eps)}
+        legacy = {'hc_readout': 'sum', 'attnres_eps': d.get('norm_eps', cls.norm_eps), 'mhc_sinkhorn': 'plain'}
         return cls(**{**legacy, **{k: v for k, v in d.items() if k in names}})
 
 

@@ -165,24 +165,31 @@ def no_autocast(x):
     return torch.autocast(device_type=x.device.type, enabled=False)
 
 
-def sinkhorn(logits, iters):
+def sinkhorn(logits, iters, eps=0.0):
     """Sinkhorn-Knopp projection of exp(logits) towards a doubly stochastic matrix (mHC,
     arXiv 2512.24880): `iters` rounds of row then column normalisation.
 
     logits: (..., m, m), any float dtype, finite. Returns P (..., m, m), fp32 (fp64 for fp64
-    logits), non-negative, with columns summing to 1 (the last step) and rows approximately:
-    Sinkhorn converges at a rate set by the spread of the logits, and 20 rounds reach 1e-3
-    for logits within about +-2 of a row/column rescaling, not for arbitrary ones.
-    Numerics, autocast off: the first round runs in the log domain (log_softmax over rows,
-    softmax over columns), which leaves every row and column sum in [1/m^2, m] whatever the
-    logits' range (+-50 included); the other rounds divide by sums that are therefore never
-    small, and entries too small for fp32 underflow to 0 harmlessly.
-    Under torch.compile the later rounds keep P's row and column scalings instead
-    (`sinkhorn_scalings`): the same iterate up to rounding.
-    Raises ValueError for non-square logits, or iters not an integer >= 1."""
+    logits), non-negative, with columns summing to 1 (the last step; 1 - O(eps) with eps)
+    and rows approximately: Sinkhorn converges at a rate set by the spread of the logits,
+    and 20 rounds reach 1e-3 for logits within about +-2 of a row/column rescaling, not
+    for arbitrary ones.
+    eps = 0: the first round runs in the log domain (log_softmax over rows, softmax over
+    columns), which leaves every row and column sum in [1/m^2, m] whatever the logits'
+    range (+-50 included); the other rounds divide by sums that are therefore never small,
+    and entries too small for fp32 underflow to 0 harmlessly.
+    eps > 0: liger_kernel's mHC Sinkhorn (ops/mhc.py, _mhc_split_sinkhorn_fwd_kernel): a
+    stable softmax over rows, eps added to every entry, then every division is by
+    (sum + eps): P <- softmax_row(z) + eps, P <- P / (colsum + eps), then iters - 1 rounds
+    of P <- P / (rowsum + eps), P <- P / (colsum + eps). The eps floor keeps every sum
+    >= eps, and lifts entries that would be ~0 to ~eps (which matters for logits with a
+    spread of tens).
+    Autocast off throughout. Under torch.compile the later rounds keep P's row and column
+    scalings instead (`sinkhorn_scalings`): the same iterate up to rounding.
+    Raises ValueError for non-square logits, iters not an integer >= 1, or eps < 0."""
     if logits.dim() < 2 or logits.size(-1) != logits.size(-2):
         raise ValueError(f"sinkhorn needs square (..., m, m) logits, got shape {tuple(logits.shape)}")
-    return sinkhorn_leading(logits.movedim((-2, -1), (0, 1)), iters).movedim((0, 1), (-2, -1))
+    return sinkhorn_leading(logits.movedim((-2, -1), (0, 1)), iters, eps).movedim((0, 1), (-2, -1))
 
 
 def check_sinkhorn_iters(iters, name='iters'):
@@ -193,53 +200,68 @@ def check_sinkhorn_iters(iters, name='iters'):
     return int(iters)
 
 
-def sinkhorn_leading(logits, iters):
+def sinkhorn_leading(logits, iters, eps=0.0):
     """`sinkhorn` on matrices laid out along the two leading dims: (m, m, ...) -> (m, m, ...).
     The row and column sums then add whole vectors of tokens, several times faster on CPU
     than reducing over two trailing dims of size m. Raises ValueError as `sinkhorn` does."""
     if logits.dim() < 2 or logits.size(0) != logits.size(1):
         raise ValueError(f"sinkhorn_leading needs square (m, m, ...) logits, got shape {tuple(logits.shape)}")
     iters = check_sinkhorn_iters(iters)
+    if not eps >= 0:
+        raise ValueError(f"sinkhorn eps must be >= 0, got {eps!r}")
+    eps = float(eps)
     with no_autocast(logits):
         z = logits.to(torch.promote_types(logits.dtype, torch.float32)).contiguous()  # fp32 (fp64 stays)
-        P = torch.softmax(torch.log_softmax(z, dim=1), dim=0)  # round 1 in the log domain
+        if eps == 0:
+            P = torch.softmax(torch.log_softmax(z, dim=1), dim=0)  # round 1 in the log domain
+        else:  # liger_kernel's first round: stable row softmax, + eps, column division by (sum + eps)
+            P = torch.softmax(z, dim=1) + eps
+            P = P / (P.sum(0, keepdim=True) + eps)
         if iters == 1:
             return P
         if torch.compiler.is_compiling():
-            return sinkhorn_scalings(P, iters - 1)
-        return SinkhornRounds.apply(P, iters - 1)
+            return sinkhorn_scalings(P, iters - 1, eps)
+        return SinkhornRounds.apply(P, iters - 1, eps)
 
 
 @torch.compiler.nested_compile_region  # traced and compiled once, reused by every sublayer
-def sinkhorn_scalings(P, iters):
+def sinkhorn_scalings(P, iters, eps=0.0):
     """`iters` rounds of Sinkhorn on P (m, m, ...) > 0 kept as diag(r) P diag(c): per round
-    r = 1 / (P c) over rows, then c = 1 / (P^T r) over columns; returns diag(r) P diag(c),
-    the numbers `SinkhornRounds` gives, up to rounding. Used under torch.compile, where each
+    r <- r / (r (P c) + eps) over rows, then c <- c / (c (P^T r) + eps) over columns (with
+    eps = 0: r = 1 / (P c), c = 1 / (P^T r)); returns diag(r) P diag(c), the numbers
+    `SinkhornRounds` gives, up to rounding. Used under torch.compile, where each
     round is then two small reductions of the one P (fwd + bwd at m = 4, B T = 2048, one
     CPU thread: 1.7 ms against 2.6 ms for the rounds on P); eagerly it is the slower one
     (7.4 ms against 4.1 ms). A nested compile region: torch.compile compiles the unrolled
     rounds once for all 2L sublayers instead of once per sublayer (mHC at L = 8 on a 2-core
     CPU, cold cache: 147 s to compile the training step instead of 389 s, same step time);
     outside torch.compile the decorator does nothing."""
+    r = torch.ones_like(P[:, 0])                               # (m, ...) row scalings
     c = torch.ones_like(P[0])                                  # (m, ...) column scalings
     for _ in range(iters):
-        r = 1 / (P * c.unsqueeze(0)).sum(1)                    # (m, ...) row scalings
-        c = 1 / (P * r.unsqueeze(1)).sum(0)
+        if eps == 0:
+            r = 1 / (P * c.unsqueeze(0)).sum(1)
+            c = 1 / (P * r.unsqueeze(1)).sum(0)
+        else:
+            r = r / (r * (P * c.unsqueeze(0)).sum(1) + eps)
+            c = c / (c * (P * r.unsqueeze(1)).sum(0) + eps)
     return P * r.unsqueeze(1) * c.unsqueeze(0)
 
 
 class SinkhornRounds(torch.autograd.Function):
-    """`iters` rounds of P <- P / rowsum(P), P <- P / colsum(P) on P (m, m, ...) > 0, with
-    a hand-written backward (per step y = P / s: dP = (dy - sum(dy * y)) / s) that keeps
-    the gradient in the (m, m, ...) layout; autograd's would run 4 x iters small ops on
-    whatever layout the incoming gradient has."""
+    """`iters` rounds of P <- P / (rowsum(P) + eps), P <- P / (colsum(P) + eps) on P
+    (m, m, ...) > 0, with a hand-written backward (per step y = P / s, s = sum + eps:
+    dP = (dy - sum(dy * y)) / s) that keeps the gradient in the (m, m, ...) layout;
+    autograd's would run 4 x iters small ops on whatever layout the incoming gradient has."""
 
     @staticmethod
-    def forward(ctx, P, iters):
+    def forward(ctx, P, iters, eps=0.0):
         steps = []
         for _ in range(iters):
             for dim in (1, 0):                                 # rows, then columns
                 s = P.sum(dim, keepdim=True)
+                if eps:
+                    s = s + eps
                 P = P / s
                 steps += [P, s]
         ctx.save_for_backward(*steps)
@@ -253,7 +275,7 @@ class SinkhornRounds(torch.autograd.Function):
             y, s = steps[i], steps[i + 1]
             dim = 1 if i % 4 == 0 else 0
             g = (g - (g * y).sum(dim, keepdim=True)) / s
-        return g, None
+        return g, None, None
 
 
 class NormedProjection(torch.autograd.Function):

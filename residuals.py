@@ -471,6 +471,9 @@ class MHCRoute(nn.Module):
         self.alpha_res = nn.Parameter(torch.tensor(0.01))
 
 
+LIGER_SINKHORN_EPS = 1e-6  # liger_kernel's mHC sinkhorn_eps (LigerHyperConnection's default, the study's)
+
+
 class MHC(MultiStream):
     """Manifold-Constrained Hyper-Connections (DeepSeek, arXiv 2512.24880; schemes.md "mHC").
 
@@ -481,6 +484,26 @@ class MHC(MultiStream):
         H_post = 2 sigmoid(alpha_post * l_post + b_post)             (m)
         H_res  = Sinkhorn(alpha_res * mat(l_res) + b_res)            (m x m), cfg.mhc_sinkhorn_iters rounds
         u = sum_i H_pre[i] H[i],  f = F(RMSNorm(u)),  H'[j] = sum_i H_res[i, j] H[i] + H_post[j] f
+
+    Layout: H_res[i, j] is the weight of old stream i in new stream j, stored (in, out);
+    mat(l_res) and b_res fill it row-major, entry (i, j) at 2m + i m + j. Sinkhorn
+    (cfg.mhc_sinkhorn):
+      'liger' (default; the study's default backend, liger_kernel's mHC kernels, which
+          store H_res (out, in) and normalise their rows first, their columns last): here
+          the per-output sums (over i, our columns) first and the per-input sums (over j,
+          our rows) last, so every old stream's weights sum to 1 exactly; a stable softmax
+          for the first step, 1e-6 added to every entry and to every denominator
+          (`ops.sinkhorn` with eps, applied to the transpose);
+      'plain' (its PyTorch backend, hyper_connections.py sinkhorn_log, which stores H_res
+          (in, out)): per-input sums first, per-output sums last, no eps (every new stream
+          a convex combination of the old ones).
+    The two orders reach the same doubly stochastic limit; after 20 rounds they differ by
+    what the rounds leave unconverged. Max |logit change| of 'plain' against 'liger'
+    (tests/test_study_fidelity.py's model: L = 3, d = 32, m = 4; docs/fidelity.md): 6e-7
+    at the gap-8 init (H_res ~ I; the eps alone), 4.6e-4 once every parameter is moved
+    (off-diagonal logits near -8, diagonal ones spread by ~0.3: Sinkhorn on a
+    near-diagonal matrix converges slowly), 3e-6 for the 'uniform' init moved the same
+    way; logits with a spread of tens change H_res by > 1e-3 (the eps floor and the order).
 
     All routing math (RMS, projection, gates, Sinkhorn, the read and mix) in fp32 with
     autocast off. Readout (cfg.hc_readout 'auto'): the mean of the streams, then the final
@@ -500,12 +523,11 @@ class MHC(MultiStream):
 
     The coefficients are alpha * x' phi + b for every backend of the study: its Liger
     backend computes mix * alpha + b as here, and its mHC runs with tanh=False (the PyTorch
-    backend's tanh is HC's). Remaining differences from the study's default (Liger)
+    backend's tanh is HC's). Remaining difference from the study's default (Liger)
     backend: it keeps phi, the other parameters and the streams in bf16 (here fp32 weights,
-    routing in fp32 under bf16 autocast); its Sinkhorn adds 1e-6 to every entry and
-    denominator and normalises the other axis last (here rows then columns, first round in
-    the log domain, `ops.sinkhorn`; about 2e-6 in the logits at these sizes). The eps of
-    RMS(vec H) is cfg.norm_eps (1e-6, the Liger backend's; its PyTorch backend uses 1e-8).
+    routing in fp32 under bf16 autocast). The eps of RMS(vec H) is cfg.norm_eps (1e-6, the
+    Liger backend's; its PyTorch backend uses 1e-8). convert.py maps Liger's (out, in)
+    phi columns and b onto ours by transposing the H_res block.
     """
 
     default_readout = 'mean'  # the study's Liger backend, collapse 'auto'
@@ -513,6 +535,8 @@ class MHC(MultiStream):
     def __init__(self, cfg):
         if cfg.mhc_init not in ('gap8', 'gap8_diag8', 'uniform'):
             raise ValueError(f"mhc_init must be 'gap8', 'gap8_diag8' or 'uniform', got {cfg.mhc_init!r}")
+        if cfg.mhc_sinkhorn not in ('liger', 'plain'):
+            raise ValueError(f"mhc_sinkhorn must be 'liger' or 'plain', got {cfg.mhc_sinkhorn!r}")
         check_sinkhorn_iters(cfg.mhc_sinkhorn_iters, 'mhc_sinkhorn_iters')
         super().__init__(cfg, MHCRoute)
 
@@ -545,7 +569,11 @@ class MHC(MultiStream):
             gate = torch.cat([r.alpha_pre.expand(m), r.alpha_post.expand(m), r.alpha_res.expand(m * m)])
             logits = logits * gate.float().view(-1, 1, 1) + r.bias.float().view(-1, 1, 1)   # alpha x' phi + b
             pre, post, res = logits.split([m, m, m * m])
-            H_res = sinkhorn_leading(res.view(m, m, B, T), self.cfg.mhc_sinkhorn_iters)  # (m, m, B, T)
+            res, iters = res.view(m, m, B, T), self.cfg.mhc_sinkhorn_iters            # (in, out, B, T)
+            if self.cfg.mhc_sinkhorn == 'liger':  # on the (out, in) transpose: per-output sums first
+                H_res = sinkhorn_leading(res.transpose(0, 1), iters, LIGER_SINKHORN_EPS).transpose(0, 1)
+            else:                                 # per-input sums first, per-output sums last
+                H_res = sinkhorn_leading(res, iters)                                  # (m, m, B, T)
             C = torch.cat([torch.sigmoid(pre).unsqueeze(1), H_res], dim=1)          # (m, m+1, B, T): [H_pre | H_res]
         return C.permute(2, 3, 0, 1), 2 * torch.sigmoid(post).permute(1, 2, 0)    # (B, T, m, m+1), (B, T, m) fp32
 

@@ -36,6 +36,7 @@ import signal
 import sys
 import time
 import warnings
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -100,12 +101,16 @@ fsdp = False  # shard parameters with FSDP2 (fully_shard) instead of DDP under t
 backend = None  # torch.distributed backend; None = nccl on CUDA, gloo on CPU
 dist_timeout = 600  # seconds a process waits for its peers in a collective before the job fails
 seed = 1337
+# logging to Weights & Biases (rank 0 only; needs `pip install wandb`; WANDB_MODE=offline logs locally)
+wandb_log = False  # also log every metrics.jsonl row, with the per-block arrays, to W&B
+wandb_project = 'depthbench'  # W&B project
+wandb_run_name = None  # W&B run name; None = the last component of out_dir
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 # the types of the keys whose default is None (the others keep their default's type)
 none_default_types = {'stop_iter': int, 'max_iters': int, 'warmup_iters': int, 'n_kv_head': int, 'ffn_hidden': int,
                       'vocab_size': int, 'learning_rate': float, 'data_dir': str, 'dtype': str, 'compile': bool,
-                      'backend': str}
+                      'backend': str, 'wandb_run_name': str}
 try:
     keys_set = configure(globals(), config_keys, sys.argv[1:], help_text=comments_from_source(__file__),
                          none_types=none_default_types)
@@ -260,6 +265,17 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+if device_type == 'cpu':  # say so up front: a GPU-sized model takes minutes to build here, and more to evaluate
+    _d, _L, _V = n_embd, n_layer, vocab_size or 50280
+    _ffn = ffn_hidden or 16 * math.ceil(8 * _d / 3 / 16)
+    _approx_params = _L * (4 * _d * _d + 3 * _d * _ffn) + 2 * _V * _d  # attention + SwiGLU + embedding/head
+    _tokens = gradient_accumulation_steps * world_size * batch_size * block_size
+    if _approx_params > 50e6 or _tokens > 65536:
+        print0(f"note: this run is sized for a GPU (about {_approx_params / 1e6:.0f}M parameters, {_tokens:,} tokens "
+               f"per iteration): on a CPU an iteration takes minutes or more. For a CPU use config/cpu_attnres.py or "
+               f"config/cpu_preln.py (minutes in all), or a config/mini/ config")
+
+
 torch.manual_seed(seed)  # the same initial weights on every rank
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -274,8 +290,8 @@ def open_tokens(path):
     """A flat uint16 token file as a read-only memmap; one line for a missing, empty or
     odd-sized (cut off, or not uint16) file."""
     if not os.path.exists(path):
-        fail(f"{path} not found: prepare the data first, e.g. "
-             f"python data/fineweb_edu/prepare.py --input YOUR_SHARDS (see README)")
+        fail(f"{path} not found: prepare the data first, e.g. python data/fineweb_edu/prepare.py "
+             f"--input YOUR_FILES --out_dir={os.path.dirname(path)} (or --sample for the embedded sample)")
     size = os.path.getsize(path)
     if size == 0:
         fail(f"{path} is empty: prepare the data again (data/<dataset>/prepare.py)")
@@ -333,8 +349,36 @@ class TokenLoader:
         self.epoch, self.pos = s['epoch'], s['pos'] if 'pos' in s else s['step'] * self.B * self.world
 
 
+def prepare_embedded_sample(data_dir, tokenizer_name):
+    """Write train.bin/val.bin/meta.json to data_dir from the web-text sample shipped in
+    data/sample/ (data/fineweb_edu/prepare.py --sample), so that a fresh clone trains offline."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        'prepare', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'fineweb_edu', 'prepare.py'))
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    print0(f"{data_dir} has no train.bin/val.bin: preparing it from the embedded sample "
+           f"{os.path.relpath(prepare.SAMPLE)} ({tokenizer_name} tokenizer, a few seconds)")
+    try:
+        prepare.main(['--sample', f'--tokenizer={tokenizer_name}', f'--out_dir={data_dir}'])
+    except (ValueError, FileNotFoundError) as e:
+        fail(f"cannot prepare the embedded sample: {e}")
+
+
 if data_dir is None:
     data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+    # the default data of a fresh clone: prepared from the embedded sample when absent (only
+    # for data/fineweb_edu[_<tokenizer>]; a data_dir the user names must exist)
+    from tokenizer import TOKENIZERS
+    _sample_tok = 'gpt2' if dataset == 'fineweb_edu' else dataset.removeprefix('fineweb_edu_')
+    if _sample_tok in TOKENIZERS and not all(os.path.exists(os.path.join(data_dir, f)) for f in ('train.bin', 'val.bin')):
+        if master:
+            prepare_embedded_sample(data_dir, _sample_tok)
+        if ddp:
+            dist.barrier()  # the other ranks wait until rank 0 has written the files
+elif not os.path.isdir(data_dir):
+    fail(f"data_dir={data_dir!r} does not exist: prepare data there with "
+         f"python data/fineweb_edu/prepare.py --input FILES --out_dir={data_dir}")
 meta_path = os.path.join(data_dir, 'meta.json')
 meta = {}
 if os.path.exists(meta_path):
@@ -500,15 +544,18 @@ def get_lr(it):
 
 
 @torch.no_grad()
-def estimate_val_loss():
+def estimate_val_loss(progress=False):
     """Mean next-token cross-entropy (nats) over the first eval_iters x batch_size chunks
     of val.bin (the same chunks every time, whatever the number of processes; fewer if
-    val.bin is smaller). Batch k (chunks [k B, (k+1) B)) is scored by rank k mod world."""
+    val.bin is smaller). Batch k (chunks [k B, (k+1) B)) is scored by rank k mod world.
+    progress: a progress bar on rank 0 (stderr) if the evaluation takes more than 2 s."""
+    from tqdm import tqdm
     model.eval()
     loader = TokenLoader(val_path, batch_size, block_size, shuffle=False)  # one stream: step k = batch k
     n = min(eval_iters, loader.n_chunks // batch_size)
     total = torch.zeros(2, device=device)
-    for i in range(math.ceil(n / world_size)):  # every rank runs as many forwards (FSDP gathers in each)
+    for i in tqdm(range(math.ceil(n / world_size)), desc='evaluating', unit='batch', leave=False, delay=2,
+                  disable=not (progress and master)):  # every rank runs as many forwards (FSDP gathers in each)
         k = i * world_size + rank
         loader.pos = (k if k < n else 0) * batch_size  # past the end: a forward that counts for nothing
         x, y = loader.next_batch()
@@ -606,7 +653,8 @@ def save_checkpoint(path, evaluated=True, best=False):
     ckpt = {'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config),
             'config': config, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
             'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated,
-            'val_loss': val_loss, 'train_loss': lossf}
+            'val_loss': val_loss, 'train_loss': lossf,
+            'tokenizer': meta.get('tokenizer')}  # sample.py decodes with it (None: data without meta.json)
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
@@ -663,6 +711,31 @@ if master and not eval_only and init_from == 'resume' and os.path.exists(metrics
         atomic_write(metrics_path, lambda f: f.write(''.join(rows).encode()))
     except OSError as e:
         write_failed(metrics_path, e)
+wandb_run = None
+if wandb_log and master and not eval_only:
+    try:
+        import wandb
+    except ImportError:
+        fail("wandb_log=True needs the wandb package: pip install wandb (or drop --wandb_log=True)")
+    wandb_run = wandb.init(project=wandb_project, name=wandb_run_name or os.path.basename(os.path.abspath(out_dir)),
+                           config=config, dir=out_dir)
+
+
+def wandb_row(row):
+    """A metrics.jsonl row as W&B scalars at step row['iter']: a per-block list becomes one key per
+    block ('block_grad_norm/0', ...), so that each block gets its own curve; None values are left
+    out. An evaluation row's lr (the rate of the iteration about to start) is left out too: at the
+    same step, the training row's lr is the rate that step was trained with."""
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, list):
+            out.update({f"{k}/{b}": x for b, x in enumerate(v)})
+        elif v is not None and k != 'iter' and not (k == 'lr' and 'val_loss' in row):
+            out[k] = v
+    if row.get('block_grad_norm'):
+        g = row['block_grad_norm']
+        out['grad_first_last_ratio'] = g[0] / max(g[-1], 1e-12)
+    return out
 
 
 def log_metrics(row):
@@ -677,6 +750,8 @@ def log_metrics(row):
         metrics_file.flush()
     except OSError as e:
         write_failed(metrics_path, e)
+    if wandb_run is not None:
+        wandb_run.log(wandb_row(row), step=row['iter'])
 
 
 # -----------------------------------------------------------------------------
@@ -723,6 +798,8 @@ t0 = time.time()
 val_loss = lossf = None
 if init_from == 'resume':
     val_loss, lossf = resumed_losses
+recent_dt = deque(maxlen=20)  # seconds of the last iterations: the ETA is their mean (one step alone jumps)
+first_iter, n_evals = iter_num, 0
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
@@ -730,7 +807,8 @@ while True:
 
     # evaluate and checkpoint (state *before* iteration iter_num; a resume starts here)
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != resumed_at:
-        val_loss = estimate_val_loss()
+        val_loss = estimate_val_loss(progress=n_evals == 0)  # the first one may be slow: show its progress
+        n_evals += 1
         print0(f"iter {iter_num}: val loss {val_loss:.4f}")
         if not math.isfinite(val_loss):  # non-finite weights: never over the last good checkpoint
             stop_nonfinite(f"non-finite validation loss {val_loss}")
@@ -779,12 +857,14 @@ while True:
     iter_num += 1
     t1 = time.time()
     dt, t0 = t1 - t0, t1
+    if iter_num > first_iter + 1 or max_iters - first_iter == 1:  # the first step (warm-up, compile) is no guide
+        recent_dt.append(dt)
     if log_step:
         tokens_per_s = tokens_per_iter / dt
         mfu = estimate_mfu(raw_model, tokens_per_s, block_size, device, world_size)
         row = {'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'train_loss': lossf, 'lr': lr,
                'grad_norm': gnorm, 'dt_ms': dt * 1000, 'tokens_per_s': tokens_per_s, 'mfu': mfu, **stats}
-        eta = dt * (max_iters - iter_num)
+        eta = (sum(recent_dt) / len(recent_dt) if recent_dt else dt) * (max_iters - iter_num)
         depth = ''
         if stats:
             g = stats['block_grad_norm']
@@ -814,4 +894,6 @@ if iter_num == max_iters and master:
     print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens"
            + (f" (warning: {val_loss / best_val_loss:.1f}x the best {best_val_loss:.4f}; the best state is "
               f"in ckpt_best.pt)" if spiked else ''))
+if wandb_run is not None:
+    wandb_run.finish()
 shutdown()

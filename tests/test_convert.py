@@ -349,17 +349,18 @@ def test_tokenizer_vocab_beyond_uint16_refused(tmp_path):
 # -----------------------------------------------------------------------------
 # against tests/test_study_fidelity.py's transcription of the study's forward
 
-@pytest.mark.parametrize('scheme', [s for s in SCHEMES if s != 'mhc'])
+@pytest.mark.parametrize('scheme', SCHEMES)
 def test_converted_names_run_the_study_transcription(scheme):
     """The names convert.py reads are the ones the transcription of the study's forward in
     test_study_fidelity.py runs on: its logits on our layout (MoDA's wrapped names unwrapped,
-    which convert.py also accepts) equal our model's. mHC is left out: that transcription reads
-    Liger's H_res as (in, out); liger_kernel stores it (out, in), see the Liger test above."""
+    which convert.py also accepts) equal our model's. mHC as the Liger backend stores it,
+    H_res (out, in), which is the layout that transcription reads."""
     fid = pytest.importorskip('test_study_fidelity')
     model = fid.make(scheme)
     fid.randomise(model)
     kind = {'preln': 'default', 'lns': 'default_scaled', 'sandwich': 'peri_norm', 'blockattnres': 'attnres'}
-    study = convert.to_study(model.state_dict(), model.config, kind.get(scheme, scheme))
+    backend = 'liger_mhc' if scheme == 'mhc' else 'hc'
+    study = convert.to_study(model.state_dict(), model.config, kind.get(scheme, scheme), backend)
     if scheme == 'moda':
         study = {k.replace('attention.attention.', 'attention.').replace('feed_forward.feed_forward.', 'feed_forward.'): v
                  for k, v in study.items()}
@@ -368,7 +369,7 @@ def test_converted_names_run_the_study_transcription(scheme):
     with torch.no_grad():
         real = fid.study_weights
         try:
-            fid.study_weights = lambda m: study
+            fid.study_weights = lambda m, **kw: study
             theirs = fid.study_logits(model, idx)
         finally:
             fid.study_weights = real

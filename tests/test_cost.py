@@ -333,6 +333,11 @@ def test_cli_errors(tmp_path, capsys):
     assert 'unknown scheme nope' in capsys.readouterr().err
     assert cost.main(['--shapes=16by1216', f'--out={tmp_path}']) == 1
     assert '--shapes' in capsys.readouterr().err
+    for bad in ('16x100x3', '16x', '0x64', '16x-2'):  # three parts was an unpacking error
+        assert cost.main([f'--shapes={bad}', f'--out={tmp_path}']) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"'{bad}' is not an LxD pair" in err, err
+    assert cost._parse_shapes('16x1216, 32X896,') == [(16, 1216), (32, 896)]
     assert cost.main(['--results=/nonexistent/results.json', f'--out={tmp_path}']) == 1
     assert 'not found' in capsys.readouterr().err
     with pytest.raises(ValueError, match="RESIDUALS"):

@@ -261,6 +261,13 @@ def test_domain_nll_token_weighted_and_categories():
     assert short['tasks']['mbpp']['n_truncated'] == 1 and short['tasks']['sciq']['n_truncated'] == 1
 
 
+def test_domain_nll_progress_bars_name_the_task(capsys):
+    data = {'mbpp': [{'prompt': 'task\n', 'answer': 'xx\n'}], 'sciq': [{'prompt': 'Q:', 'answer': ' xy'}]}
+    evals.domain_nll(unigram_logits_fn(byte_probs()), ByteEnc(), data, progress=True)
+    err = capsys.readouterr().err
+    assert 'domain NLL 1/2: mbpp' in err and 'domain NLL 2/2: sciq' in err
+
+
 def test_load_task_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match='prepare.py'):
         evals.load_task('gsm8k', tmp_path)

@@ -166,11 +166,13 @@ def test_configure_optimizers_groups():
 
 def test_old_checkpoint_configs_keep_their_readout():
     # model_args saved before hc_readout / attnres_eps existed load with the values they trained with
-    old = {k: v for k, v in vars(GPTConfig(residual='hc', **TINY)).items() if k not in ('hc_readout', 'attnres_eps')}
+    # (and mhc_sinkhorn: rows then columns, no eps)
+    old = {k: v for k, v in vars(GPTConfig(residual='hc', **TINY)).items()
+           if k not in ('hc_readout', 'attnres_eps', 'mhc_sinkhorn')}
     cfg = GPTConfig.from_dict(old)
-    assert cfg.hc_readout == 'sum' and cfg.attnres_eps == cfg.norm_eps
+    assert cfg.hc_readout == 'sum' and cfg.attnres_eps == cfg.norm_eps and cfg.mhc_sinkhorn == 'plain'
     new = GPTConfig.from_dict(vars(GPTConfig(residual='hc', **TINY)))
-    assert new.hc_readout == 'auto' and new.attnres_eps == 1e-5
+    assert new.hc_readout == 'auto' and new.attnres_eps == 1e-5 and new.mhc_sinkhorn == 'liger'
 
 
 def test_mfu_is_none_on_cpu():

@@ -210,11 +210,11 @@ def bad_inputs(tmp_path):
     blank = tmp_path / 'blank.jsonl.gz'
     with gzip.open(blank, 'wt'):
         pass
-    (tmp_path / 'doc.txt').write_text('hello')
+    (tmp_path / 'doc.csv').write_text('text\nhello\n')
     pq.write_table(pa.table({'body': ['a', 'b']}), tmp_path / 'nofield.parquet')
     return [
         (['--input', str(tmp_path / 'missing.jsonl')], FileNotFoundError, ['missing.jsonl']),
-        (['--input', str(tmp_path / 'doc.txt')], ValueError, ['doc.txt', '.jsonl']),
+        (['--input', str(tmp_path / 'doc.csv')], ValueError, ['doc.csv', '.jsonl', '.txt']),
         (['--input', nofield], ValueError, ["'text'", 'content', 'url', '--text_field']),
         (['--input', str(tmp_path / 'nofield.parquet')], ValueError, ["'text'", 'body']),
         (['--input', empty], ValueError, ['empty corpus']),
@@ -254,6 +254,71 @@ def test_cli_one_line_error(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith('error:') and 'content' in lines[0], r.stderr
     assert not (out / 'train.bin').exists()
+
+
+def test_txt_input_is_cut_at_blank_lines(tmp_path):
+    # 7 paragraphs of 10 chars (+2 for the blank line); documents of >= 25 chars: 2 paragraphs
+    # count 24, 3 count 36: cut after every third; the 7th is a shorter last document
+    paras = [f'para {i} xx' for i in range(7)]
+    assert prepare.split_text('\n\n'.join(paras), 25) == ['\n\n'.join(paras[:3]), '\n\n'.join(paras[3:6]), paras[6]]
+    assert prepare.split_text('one line\nand another', 5) == ['one line\nand another']  # no blank line: one doc
+    src = tmp_path / 'book.txt'
+    src.write_text('\n\n'.join(DOCS), encoding='utf-8')
+    out, meta = run(['--input', str(src), '--tokenizer', 'byte', '--txt_doc_chars', '100'], tmp_path)
+    docs = prepare.split_text(src.read_text(encoding='utf-8'), 100)
+    assert meta['train_docs'] + meta['val_docs'] == len(docs) >= 3
+    tok = get_tokenizer('byte')
+    got = [tok.decode(d) for d in read_docs(out / 'train.bin', tok.eot) + read_docs(out / 'val.bin', tok.eot)]
+    assert sorted(got) == sorted(docs) and '\n\n'.join(docs) == src.read_text(encoding='utf-8')
+
+
+@pytest.mark.parametrize('name', ['latin1.txt', 'latin1.jsonl'])
+def test_non_utf8_input_names_the_file(name, tmp_path):
+    src = tmp_path / name
+    src.write_bytes(b'{"text": "caf\xe9"}\n' if name.endswith('.jsonl') else b'caf\xe9\n\nmore')
+    with pytest.raises(ValueError) as e:
+        run(['--input', str(src)], tmp_path)
+    msg = str(e.value)
+    assert str(src) in msg and 'UTF-8' in msg and '0xe9' in msg and '\n' not in msg
+
+
+def test_offline_hub_is_one_line_naming_the_alternatives(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, 'hub_reachable', lambda timeout=5.0: False)
+    with pytest.raises(ValueError) as e:
+        run([], tmp_path)
+    msg = str(e.value)
+    assert '\n' not in msg and 'internet' in msg and '--input' in msg and '--sample' in msg
+    assert not (tmp_path / 'out').exists()
+
+
+def test_embedded_sample(tmp_path):
+    """The shipped sample is the file data/sample/SOURCES.md describes, and --sample prepares it
+    with the counts given there (document count and GPT-2 tokens + one EOT per document)."""
+    sources = (ROOT / 'data' / 'sample' / 'SOURCES.md').read_text()
+    assert hashlib.sha256(prepare.SAMPLE.read_bytes()).hexdigest() in sources
+    assert prepare.SAMPLE.stat().st_size <= 3_000_000
+    with gzip.open(prepare.SAMPLE, 'rt', encoding='utf-8') as f:
+        texts = [json.loads(line)['text'] for line in f]
+    tok = get_tokenizer('gpt2')
+    n_tokens = sum(len(ids) + 1 for ids in tok.encode_batch(texts, num_threads=1))
+    assert (len(texts), n_tokens) == (744, 653_670)
+    out, meta = run(['--sample'], tmp_path)
+    assert meta['train_docs'] + meta['val_docs'] == 744 and meta['train_tokens'] + meta['val_tokens'] == n_tokens
+    assert meta['val_fraction'] == prepare.SAMPLE_VAL_FRACTION and meta['val_tokens'] >= 20 * 8 * 129  # cpu_*.py evals
+    assert (meta['train_tokens'], meta['val_tokens'], meta['val_docs']) == (627_154, 26_516, 25)  # as in SOURCES.md
+    with pytest.raises(ValueError, match='--sample and --input'):
+        run(['--sample', '--input', str(prepare.SAMPLE)], tmp_path)
+
+
+def test_embedded_sample_is_tracked_by_git():
+    r = subprocess.run(['git', 'ls-files', '--error-unmatch', 'data/sample/fineweb_edu_sample.jsonl.gz',
+                        'data/sample/SOURCES.md'], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode and 'not a git repository' in r.stderr:
+        pytest.skip('not a git checkout')
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(['git', 'check-ignore', 'data/sample/fineweb_edu_sample.jsonl.gz'], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 1  # not ignored
 
 
 @pytest.mark.skipif(not (SHARED_DATA / 'c4_sample_1000.jsonl.gz').exists(), reason="needs ../shared/data")

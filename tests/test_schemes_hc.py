@@ -222,9 +222,10 @@ def test_hc_sublayer_matches_explicit_formula():
             torch.testing.assert_close(out[bt][t], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize('mode', ['liger', 'plain'])
 @torch.no_grad()
-def test_mhc_sublayer_matches_explicit_formula():
-    model = make('mhc', n_layer=1, hc_streams=3, mhc_init='uniform')
+def test_mhc_sublayer_matches_explicit_formula(mode):
+    model = make('mhc', n_layer=1, hc_streams=3, mhc_init='uniform', mhc_sinkhorn=mode)
     perturb(model, std=0.05)
     res, r, norm = model.residual, model.residual.layers[0].mlp_route, model.residual.layers[0].mlp_norm
     H = torch.randn(2, 5, 3, 64)
@@ -236,10 +237,19 @@ def test_mhc_sublayer_matches_explicit_formula():
         lg = xp @ r.phi
         pre = torch.sigmoid(r.alpha_pre * lg[:3] + r.bias[:3])
         post = 2 * torch.sigmoid(r.alpha_post * lg[3:6] + r.bias[3:6])
-        P = torch.exp(r.alpha_res * lg[6:].view(3, 3) + r.bias[6:].view(3, 3)).double()
-        for _ in range(model.config.mhc_sinkhorn_iters):
-            P = P / P.sum(1, keepdim=True)
-            P = P / P.sum(0, keepdim=True)
+        Z = (r.alpha_res * lg[6:].view(3, 3) + r.bias[6:].view(3, 3)).double()   # [i, j]: stream i into j
+        if mode == 'plain':   # rows (per input) first, columns (per output) last
+            P = torch.exp(Z)
+            for _ in range(model.config.mhc_sinkhorn_iters):
+                P = P / P.sum(1, keepdim=True)
+                P = P / P.sum(0, keepdim=True)
+        else:                 # liger_kernel on [j, i]: row softmax + 1e-6, then columns; every sum + 1e-6
+            eps, Q = 1e-6, torch.softmax(Z.t(), dim=1) + 1e-6
+            Q = Q / (Q.sum(0, keepdim=True) + eps)
+            for _ in range(model.config.mhc_sinkhorn_iters - 1):
+                Q = Q / (Q.sum(1, keepdim=True) + eps)
+                Q = Q / (Q.sum(0, keepdim=True) + eps)
+            P = Q.t()
         u = sum(pre[i] * H[bt][i] for i in range(3))
         y = f(norm(u))
         for j in range(3):
@@ -314,28 +324,44 @@ def test_sinkhorn_extreme_logits_are_safe_and_match_float64():
     torch.testing.assert_close(P.double(), R, rtol=0, atol=1e-4)
 
 
-def test_sinkhorn_gradient():
+@pytest.mark.parametrize('eps', [0.0, 1e-2])  # eps large enough that gradcheck sees it
+def test_sinkhorn_gradient(eps):
     # the hand-written backward of the normalisation rounds against finite differences (fp64)
     z = torch.randn(2, 5, 3, 3, dtype=torch.float64, requires_grad=True)
-    assert sinkhorn(z, 4).dtype == torch.float64
-    assert torch.autograd.gradcheck(lambda z: sinkhorn(z, 4), (z,))
+    assert sinkhorn(z, 4, eps).dtype == torch.float64
+    assert torch.autograd.gradcheck(lambda z: sinkhorn(z, 4, eps), (z,))
 
 
-def test_compiled_sinkhorn_matches_eager():
+def test_sinkhorn_eps_is_liger_kernel_s():
+    # eps > 0: liger_kernel's rounds, written out (fp64); the last step's sums are s / (s + eps)
+    z = torch.randn(7, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 3
+    eps, Q = 1e-3, torch.softmax(z, dim=-1) + 1e-3
+    Q = Q / (Q.sum(-2, keepdim=True) + eps)
+    for _ in range(4):
+        Q = Q / (Q.sum(-1, keepdim=True) + eps)
+        Q = Q / (Q.sum(-2, keepdim=True) + eps)
+    torch.testing.assert_close(sinkhorn(z, 5, eps), Q, rtol=1e-12, atol=1e-14)
+    assert (sinkhorn(z, 5, eps) - sinkhorn(z, 5)).abs().max() > 1e-4
+    with pytest.raises(ValueError, match='eps'):
+        sinkhorn(z, 5, -1e-6)
+
+
+@pytest.mark.parametrize('eps', [0.0, 1e-6])
+def test_compiled_sinkhorn_matches_eager(eps):
     # under torch.compile Sinkhorn keeps diag(r) P diag(c) (`sinkhorn_scalings`) instead of
     # normalising P: the same iterate, also for extreme logits, and the same gradient (fp64)
     torch._dynamo.reset()
     compiled = torch.compile(sinkhorn, backend='aot_eager', fullgraph=True)
     z = (torch.rand(2000, 4, 4, generator=torch.Generator().manual_seed(2)) * 2 - 1) * 50
-    P, Pc = sinkhorn(z, 20), compiled(z, 20)
+    P, Pc = sinkhorn(z, 20, eps), compiled(z, 20, eps)
     assert torch.isfinite(Pc).all() and (Pc >= 0).all()
     torch.testing.assert_close(Pc, P, rtol=0, atol=1e-5)
     z = torch.randn(2, 5, 3, 3, dtype=torch.float64, requires_grad=True)
     g = torch.randn(2, 5, 3, 3, dtype=torch.float64)
-    ge, = torch.autograd.grad(sinkhorn(z, 6), z, g)
-    Pc = compiled(z, 6)
+    ge, = torch.autograd.grad(sinkhorn(z, 6, eps), z, g)
+    Pc = compiled(z, 6, eps)
     gc, = torch.autograd.grad(Pc, z, g)
-    torch.testing.assert_close(Pc, sinkhorn(z, 6), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(Pc, sinkhorn(z, 6, eps), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gc, ge, rtol=1e-10, atol=1e-12)
 
 
@@ -476,7 +502,10 @@ def test_multistream_trace(residual):
         assert r['mix'].shape == (2, 16, m, m)
         assert all(torch.isfinite(r[k]).all() for k in ('read', 'mix', 'write'))
     if residual == 'mhc':  # H_res is (approximately) doubly stochastic, H_post in (0, 2)
-        assert all((r['mix'].sum(-2) - 1).abs().max() < 1e-4 for r in tape)
+        # Liger's order ends on the per-input sums (exact up to its 1e-6 eps); the per-output
+        # sums are Sinkhorn's residual after 20 rounds (4e-4 here)
+        assert all((r['mix'].sum(-1) - 1).abs().max() < 1e-5 for r in tape)
+        assert all((r['mix'].sum(-2) - 1).abs().max() < 1e-3 for r in tape)
         assert all(((r['write'] > 0) & (r['write'] < 2)).all() for r in tape)
 
 

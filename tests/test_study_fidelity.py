@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT, GPTConfig  # noqa: E402
+from ops import sinkhorn  # noqa: E402
 
 TEN = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'attnres', 'blockattnres', 'moda')
 V, L, D, H, M = 64, 3, 32, 2, 4      # vocab, blocks, width, heads, HC/mHC streams
@@ -95,14 +96,24 @@ def study_name(name, n_layer):
     raise KeyError(name)
 
 
-def study_weights(model):
+def liger_cols(m):
+    """Column order of Liger's phi / b in ours: [pre | post | res], Liger's res block (out, in)
+    row-major, ours (in, out): Liger's entry 2m + o m + i is our 2m + i m + o."""
+    return torch.cat([torch.arange(2 * m), 2 * m + torch.arange(m * m).view(m, m).t().reshape(-1)])
+
+
+def study_weights(model, mhc_layout='liger'):
     """{study name: our tensor} for every parameter of `model` (a bijection), the AttnRes
-    queries as the study's (1, d) projections."""
-    W = {}
+    queries as the study's (1, d) projections; mHC's phi columns and b in the H_res layout
+    of the Liger backend, (out, in) (mhc_layout 'liger'), or ours and its PyTorch
+    backend's, (in, out) ('plain')."""
+    W, cols = {}, liger_cols(model.config.hc_streams)
     for n, p in model.named_parameters():
         s = study_name(n, model.config.n_layer)
         assert s not in W, f"two of our parameters map to {s}"
         W[s] = p.view(1, -1) if s.endswith('res_proj.weight') else p
+        if model.config.residual == 'mhc' and mhc_layout == 'liger' and s.endswith(('.phi', '.b')):
+            W[s] = p[..., cols]
     return W
 
 
@@ -131,8 +142,8 @@ def rope_tables(T, hd, theta):
 class Study:
     """The study's Transformer for one scheme, reading weights W (study names)."""
 
-    def __init__(self, W, cfg):
-        self.W, self.cfg, self.L = W, cfg, cfg.n_layer
+    def __init__(self, W, cfg, mhc_backend='liger'):
+        self.W, self.cfg, self.L, self.mhc_backend = W, cfg, cfg.n_layer, mhc_backend
         self.hd = cfg.n_embd // cfg.n_head
 
     def w(self, name):
@@ -209,8 +220,23 @@ class Study:
         beta = W('static_beta') + W('dynamic_beta_scale') * torch.tanh(normed @ W('dynamic_beta_proj'))
         return mixed[..., 1:, :] + out.unsqueeze(-2) * beta.unsqueeze(-1)
 
-    # ---- mHC (LigerHyperConnection: coefficients mix * alpha + b, no tanh, rms eps 1e-6,
-    # post_mult 2, pre_eps 0; Sinkhorn as the study's sinkhorn_log, 20 iterations)
+    # ---- mHC, default backend (LigerHyperConnection, liger_kernel ops/mhc.py: mix = RMS(vec H)
+    # phi, rms eps 1e-6, coefficients mix * alpha + b, no tanh, post_mult 2, pre_eps 0;
+    # _mhc_split_sinkhorn_fwd_kernel with tmax 20, sinkhorn_eps 1e-6, H_res stored (out, in);
+    # _mhc_post_res_fwd_kernel: new stream o = sum_i H_res[o, i] H[i] + post[o] f)
+    @staticmethod
+    def liger_sinkhorn(z, iters=20, eps=1e-6):
+        """z (..., out, in): stable row softmax + eps, then columns; iters - 1 rounds of
+        rows, columns, every denominator + eps."""
+        mat = torch.softmax(z, dim=-1) + eps
+        mat = mat / (mat.sum(-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            mat = mat / (mat.sum(-1, keepdim=True) + eps)
+            mat = mat / (mat.sum(-2, keepdim=True) + eps)
+        return mat
+
+    # its plain PyTorch backend (HyperConnection._forward_mhc): sinkhorn_log on H_res stored
+    # (in, out), new stream t = sum_s H_res[s, t] H[s]
     @staticmethod
     def sinkhorn_log(z, iters=20):
         n = z.shape[-1]
@@ -228,10 +254,13 @@ class Study:
         b = W('b')
         h_pre = torch.sigmoid(logits[..., :m] * W('alpha_pre') + b[:m])
         h_post = 2.0 * torch.sigmoid(logits[..., m:2 * m] * W('alpha_post') + b[m:2 * m])
-        res = logits[..., 2 * m:] * W('alpha_res') + b[2 * m:]
-        h_res = self.sinkhorn_log(res.view(*res.shape[:-1], m, m))
+        res = (logits[..., 2 * m:] * W('alpha_res') + b[2 * m:]).view(*logits.shape[:-1], m, m)
         out = branch(torch.einsum('...s,...sd->...d', h_pre, streams))
-        return torch.einsum('...st,...sd->...td', h_res, streams) + out.unsqueeze(-2) * h_post.unsqueeze(-1)
+        if self.mhc_backend == 'liger':
+            mixed = torch.einsum('...oi,...id->...od', self.liger_sinkhorn(res), streams)
+        else:
+            mixed = torch.einsum('...st,...sd->...td', self.sinkhorn_log(res), streams)
+        return mixed + out.unsqueeze(-2) * h_post.unsqueeze(-1)
 
     def run_streams(self, scheme, idx, m):
         x = self.w('embeddings.weight')[idx]
@@ -330,8 +359,9 @@ class Study:
         return self.run_single(scheme, idx)
 
 
-def study_logits(model, idx):
-    return Study(study_weights(model), model.config).logits(model.config.residual, idx)
+def study_logits(model, idx, mhc_backend='liger'):
+    W = study_weights(model, mhc_layout=mhc_backend)
+    return Study(W, model.config, mhc_backend).logits(model.config.residual, idx)
 
 
 # -----------------------------------------------------------------------------
@@ -361,6 +391,7 @@ def test_every_parameter_has_one_study_name():
     ('hc', dict(hc_readout='sum'), 1e-2),          # the paper's "sum, then norm"
     ('mhc', dict(hc_readout='sum'), 2e-5),         # differs from the mean only through the norm's eps
     ('mhc', dict(hc_readout='norm_sum'), 1e-2),
+    ('mhc', dict(mhc_sinkhorn='plain'), 1e-4),     # the PyTorch backend's Sinkhorn order, no eps
     ('attnres', dict(attnres_eps=EPS), 1e-3),      # one eps everywhere, as before
     ('blockattnres', dict(attnres_eps=EPS), 1e-3),
 ])
@@ -373,6 +404,46 @@ def test_the_paper_forms_are_named_options_that_differ(scheme, change, min_gap):
     other = make(scheme, **change)
     other.load_state_dict(model.state_dict())
     assert (other(idx)[0] - study_logits(model, idx)).abs().max().item() > max(min_gap, TOL)
+
+
+@torch.no_grad()
+def test_plain_mhc_sinkhorn_is_the_pytorch_backend_s():
+    """mhc_sinkhorn='plain' is the study's PyTorch mHC backend: sinkhorn_log (per-input sums
+    first, per-output last, no eps) on H_res stored (in, out), as ours."""
+    model, idx = make('mhc', mhc_sinkhorn='plain'), tokens()
+    for step in range(2):
+        if step:
+            randomise(model)
+        ours, theirs = model(idx)[0], study_logits(model, idx, mhc_backend='plain')
+        assert (ours - theirs).abs().max().item() <= TOL
+    assert (ours - study_logits(model, idx)).abs().max().item() > 1e-4   # and it is not Liger's
+
+
+@torch.no_grad()
+def test_mhc_h_res_is_liger_kernel_s_on_wide_logits():
+    """H_res itself against liger_kernel's Sinkhorn (order and the 1e-6 on entries and
+    denominators), with routing parameters wide enough (spread of the logits ~10) that the
+    eps floor and the order both change H_res by more than 1e-3."""
+    model = make('mhc')
+    g = torch.Generator().manual_seed(3)
+    for n, p in model.residual.named_parameters():
+        if '_route.' in n:
+            p.copy_(torch.randn(p.shape, generator=g) * 3.0)
+    H = torch.randn(2, 5, M, D, generator=g)
+    W = study_weights(model)
+    for b in range(L):
+        for side, conn in (('attn', 'attention_hyper_connection'), ('mlp', 'feed_forward_hyper_connection')):
+            C, _ = model.residual.coefficients(H, getattr(model.residual.layers[b], f'{side}_route'))
+            ours = C[..., 1:]                                                      # (B, T, in, out)
+            w = lambda n: W[f'blocks.{b}.{conn}.{n}']  # noqa: E731
+            flat = H.reshape(2, 5, -1)
+            mix = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6) @ w('phi')
+            z = (mix[..., 2 * M:] * w('alpha_res') + w('b')[2 * M:]).view(2, 5, M, M)  # (out, in)
+            want = Study.liger_sinkhorn(z).transpose(-1, -2)
+            assert (ours - want).abs().max().item() <= 1e-5  # fp32 rounding of logits of size ~30
+            no_eps = sinkhorn(z, 20).transpose(-1, -2)                # Liger's order, no eps (log-domain first round)
+            assert (ours - no_eps).abs().max().item() > 1e-3
+            assert (ours - Study.sinkhorn_log(z.transpose(-1, -2))).abs().max().item() > 1e-3
 
 
 def study_decay_groups(model):

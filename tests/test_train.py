@@ -108,6 +108,71 @@ def test_ddp_two_processes_equal_accumulation(sharding, data_dir, tmp_path):
     np.testing.assert_allclose(val[1], val[0], rtol=1e-5)
 
 
+def read_wandb_history(run_dir):
+    """The history rows of an offline W&B run: its run-*.wandb file is a LevelDB-style log
+    (7-byte file header, then records of crc32, length, type in 32 KiB blocks) of protobuf
+    Records. Returns {step: {key: value}}."""
+    import struct
+    from wandb.proto import wandb_internal_pb2 as pb
+    [path] = Path(run_dir).glob('run-*.wandb')
+    data, pos, buf, steps = path.read_bytes(), 7, b'', {}
+    assert data[:4] == b':W&B'
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
+        if length == kind == 0:
+            break
+        buf, pos = buf + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or its last piece
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            buf = b''
+            if rec.WhichOneof('record_type') == 'history':
+                row = {(i.key or '/'.join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+                steps.setdefault(row['_step'], {}).update(row)
+    return steps
+
+
+def test_wandb_offline_logs_the_metrics_rows_from_rank_0_only(data_dir, tmp_path):
+    """Under torchrun with 2 processes and WANDB_MODE=offline: one W&B run, whose history at
+    step `iter` holds every metrics.jsonl row's values, each block's statistics as its own key."""
+    pytest.importorskip('wandb')
+    out = tmp_path / 'wb'
+    env = dict(os.environ, OMP_NUM_THREADS='1', WANDB_MODE='offline', WANDB_SILENT='true')
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                        'train.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=4',
+                        '--eval_interval=2', '--log_interval=2', '--wandb_log=True', '--wandb_run_name=tiny'],
+                       cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = list((out / 'wandb').glob('offline-run-*'))
+    assert len(runs) == 1  # rank 0 only
+    history = read_wandb_history(runs[0])
+    rows = metrics(out)
+    assert sorted(history) == sorted({m['iter'] for m in rows}) == [0, 2, 4]
+    for m in rows:
+        logged = history[m['iter']]
+        for k, v in m.items():
+            if isinstance(v, list):
+                assert [logged[f'{k}/{b}'] for b in range(len(v))] == pytest.approx(v)
+            elif v is not None and k != 'iter' and not (k == 'lr' and 'val_loss' in m):  # train row's lr
+                assert logged[k] == pytest.approx(v), k
+        if 'block_grad_norm' in m:
+            g = m['block_grad_norm']
+            assert logged['grad_first_last_ratio'] == pytest.approx(g[0] / g[-1])
+    r = train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "nowb"}', '--max_iters=2', '--eval_interval=2')
+    assert not (tmp_path / 'nowb' / 'wandb').exists()  # off by default
+
+
+def test_gpu_config_on_a_cpu_says_so_up_front(tmp_path):
+    r = train('config/attnres_L32.py', '--device=cpu', f'--data_dir={tmp_path / "none"}', check=False)
+    note = [line for line in r.stdout.splitlines() if line.startswith('note:')]
+    assert len(note) == 1 and 'sized for a GPU' in note[0] and 'about 399M parameters' in note[0]
+    assert 'config/cpu_attnres.py' in note[0] and '1,048,576 tokens' in note[0]
+    one_line_error(r, 'does not exist')  # the note comes before anything slow (here, the data check)
+
+
 def one_line_error(r, *needles):
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
@@ -173,6 +238,43 @@ def test_nonfinite_loss_stops_with_diagnostic_checkpoint(data_dir, tmp_path):
               '--grad_clip=0', check=False)
     one_line_error(r, 'non-finite', 'learning_rate', 'no checkpoint was written')  # none before iteration 1
     assert (out / 'ckpt_nonfinite.pt').exists()
+
+
+@pytest.mark.slow
+def test_fresh_clone_prepares_the_embedded_sample(tmp_path):
+    """A clone with no data: the default data dir is prepared from data/sample/ (one line says
+    so), and only the default one; a data_dir the user names must exist."""
+    import shutil
+    clone = tmp_path / 'clone'
+    (clone / 'data' / 'fineweb_edu').mkdir(parents=True)
+    for f in REPO.glob('*.py'):
+        shutil.copy(f, clone)
+    shutil.copy(REPO / 'data' / 'fineweb_edu' / 'prepare.py', clone / 'data' / 'fineweb_edu')
+    shutil.copytree(REPO / 'data' / 'sample', clone / 'data' / 'sample')
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    tiny = ['--device=cpu', '--compile=False', '--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=32',
+            '--batch_size=2', '--eval_iters=2', '--eval_only=True']
+
+    def run(*args):
+        return subprocess.run([sys.executable, 'train.py', *tiny, *args], cwd=clone, capture_output=True,
+                              text=True, env=env, timeout=300)
+    r = run(f'--out_dir={tmp_path / "out"}')
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = [line for line in r.stdout.splitlines() if 'embedded sample' in line]
+    assert len(said) == 1 and 'fineweb_edu has no train.bin/val.bin' in said[0] and 'gpt2' in said[0]
+    meta = json.loads((clone / 'data' / 'fineweb_edu' / 'meta.json').read_text())
+    assert meta['tokenizer'] == 'gpt2' and meta['train_docs'] + meta['val_docs'] == 744
+    val = float(r.stdout.split('val loss ')[1].split()[0])
+    assert val == pytest.approx(np.log(50280), abs=0.3)  # untrained: about uniform over the vocabulary
+    r = run('--dataset=fineweb_edu_byte', f'--out_dir={tmp_path / "out"}')  # the byte twin, by its name
+    assert r.returncode == 0 and 'byte tokenizer' in r.stdout, r.stderr[-2000:]
+    assert json.loads((clone / 'data' / 'fineweb_edu_byte' / 'meta.json').read_text())['vocab_size'] == 257
+    for args, words in ((['--dataset=mydata'], ('data/mydata/train.bin not found', '--sample')),
+                        ([f'--data_dir={tmp_path / "nowhere"}'], ("data_dir=", "nowhere", 'does not exist'))):
+        r = run(*args, f'--out_dir={tmp_path / "out"}')
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+    assert not (clone / 'data' / 'mydata').exists()
 
 
 @pytest.mark.slow

@@ -4,9 +4,16 @@ train.bin, val.bin and meta.json in data/fineweb_edu (gpt2) or data/fineweb_edu_
 
 With internet, stream the first --num_docs documents of FineWeb-Edu sample-10BT from the hub:
 $ python data/fineweb_edu/prepare.py
-Offline, from local shards (.parquet, .jsonl, .jsonl.gz; directories and globs allowed):
+Offline, the small web-text sample shipped in data/sample/ (744 documents, about 650K GPT-2
+tokens; train.py prepares it by itself when data/fineweb_edu is empty):
+$ python data/fineweb_edu/prepare.py --sample
+or local files (.parquet, .jsonl, .jsonl.gz, .txt; directories and globs allowed):
 $ python data/fineweb_edu/prepare.py --input ../shared/data/webtext/*.jsonl.gz ../shared/data/c4_sample_1000.jsonl.gz
-$ python data/fineweb_edu/prepare.py --input ../shared/data/c4_sample_1000.jsonl.gz --tokenizer byte
+$ python data/fineweb_edu/prepare.py --input input.txt --tokenizer byte --out_dir data/shakespeare_byte
+
+A .txt file is plain UTF-8 text, cut at blank lines into documents of about
+--txt_doc_chars characters (a file shorter than that is one document), so that a single
+book such as Tiny Shakespeare still gives a train and a val split.
 
 Every document is encoded as ordinary text (no special tokens) followed by one EOT
 token. The validation split is disjoint at the document level: a document goes to
@@ -33,7 +40,10 @@ sys.path.insert(0, str(REPO_ROOT))  # tokenizer.py lives at the repo root
 from tokenizer import TOKENIZERS, check_uint16, get_tokenizer, is_tokenizer_file  # noqa: E402
 
 HUB_DATASET, HUB_CONFIG = 'HuggingFaceFW/fineweb-edu', 'sample-10BT'
-FORMATS = ('.parquet', '.jsonl', '.jsonl.gz')
+FORMATS = ('.parquet', '.jsonl', '.jsonl.gz', '.txt')
+# the embedded sample (data/sample/SOURCES.md): FineWeb-Edu and FineWeb documents, ODC-By 1.0
+SAMPLE = REPO_ROOT / 'data' / 'sample' / 'fineweb_edu_sample.jsonl.gz'
+SAMPLE_VAL_FRACTION = 0.03  # 25 of its 744 documents, ~26K GPT-2 tokens: 20 batches of 8 x 129 to evaluate on
 CHUNK_DOCS, CHUNK_CHARS = 2048, 8_000_000  # tokenize in chunks: memory stays bounded
 
 
@@ -69,10 +79,30 @@ def _text_of(record, field, where):
     return record[field]
 
 
-def iter_file(path, field):
-    """Yield the `field` value of every record of one .parquet / .jsonl / .jsonl.gz file."""
+def split_text(text, doc_chars):
+    """Cut plain text at blank lines into documents of at least doc_chars characters (the
+    last one may be shorter); a text without blank lines stays one document."""
+    docs, current, size = [], [], 0
+    for para in text.split('\n\n'):
+        current.append(para)
+        size += len(para) + 2
+        if size >= doc_chars:
+            docs.append('\n\n'.join(current))
+            current, size = [], 0
+    if current:
+        docs.append('\n\n'.join(current))
+    return [d for d in docs if d.strip()]
+
+
+def iter_file(path, field, txt_doc_chars=10_000):
+    """Yield the `field` value of every record of one .parquet / .jsonl / .jsonl.gz file, or
+    the documents of a .txt file (split_text). Raises ValueError naming the file for a file
+    that is not UTF-8, not valid JSON, or unreadable."""
     try:
-        if path.endswith('.parquet'):
+        if path.endswith('.txt'):
+            with open(path, encoding='utf-8') as f:
+                yield from split_text(f.read(), txt_doc_chars)
+        elif path.endswith('.parquet'):
             import pyarrow.parquet as pq
             pf = pq.ParquetFile(path)
             names = pf.schema_arrow.names
@@ -90,20 +120,46 @@ def iter_file(path, field):
                         except json.JSONDecodeError as e:
                             raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
                         yield _text_of(record, field, f"{path}:{lineno}")
+    except UnicodeDecodeError as e:  # a ValueError too, but its message names no file
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x}: {e.reason}); "
+                         f"convert it to UTF-8 first, e.g. iconv -f latin1 -t utf-8") from None
     except (OSError, EOFError) as e:  # corrupt gzip, unreadable file, bad parquet footer
         raise ValueError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
 
 
+OFFLINE_HINT = "pass local files with --input PATH [PATH ...], or prepare the embedded sample with --sample"
+
+
+def hub_reachable(timeout=5.0):
+    """Whether a TCP connection to the hub's host opens (a proxy in the environment counts as yes:
+    then the datasets library finds out). Without this check an offline machine spends half a
+    minute in retries, each printing a warning."""
+    import socket
+    from urllib.parse import urlparse
+    if any(os.environ.get(k) for k in ('HTTPS_PROXY', 'https_proxy', 'ALL_PROXY', 'all_proxy')):
+        return True
+    host = urlparse(os.environ.get('HF_ENDPOINT', 'https://huggingface.co')).hostname or 'huggingface.co'
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def open_hub(field, num_docs):
-    """Connect to FineWeb-Edu on the HuggingFace hub (needs internet); return an iterator of texts."""
+    """Connect to FineWeb-Edu on the HuggingFace hub (needs internet); return an iterator of texts.
+    Raises ValueError (one line, naming --input and --sample) when the hub cannot be reached."""
+    if os.environ.get('HF_HUB_OFFLINE', '0') not in ('', '0') or not hub_reachable():
+        raise ValueError(f"no internet: cannot reach the hub to stream {HUB_DATASET}; {OFFLINE_HINT}")
     try:
         import datasets
+        datasets.logging.set_verbosity_error()  # no retry warnings: the error below says it once
         rows = iter(datasets.load_dataset(HUB_DATASET, name=HUB_CONFIG, split='train', streaming=True))
         first = next(rows)
     except Exception as e:  # no network, no hub access, ...: say what to do instead
         reason = (str(e).splitlines() or [''])[0][:200]
         raise ValueError(f"cannot stream {HUB_DATASET} from the hub ({type(e).__name__}: {reason}); "
-                         f"offline, pass local shards with --input PATH [PATH ...]") from None
+                         f"{OFFLINE_HINT}") from None
     _text_of(first, field, HUB_DATASET)  # fail now, not after the first chunk, on a wrong field
 
     def texts():
@@ -141,12 +197,18 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--input', nargs='+', default=None, metavar='PATH',
                    help=f"local shards ({', '.join(FORMATS)}), directories or globs; default: stream {HUB_DATASET}")
+    p.add_argument('--sample', action='store_true',
+                   help=f"prepare the embedded web-text sample (data/sample/{SAMPLE.name}); "
+                        f"--val_fraction defaults to {SAMPLE_VAL_FRACTION} for it")
+    p.add_argument('--txt_doc_chars', type=int, default=10_000,
+                   help="a .txt input is cut at blank lines into documents of about this many characters")
     p.add_argument('--text_field', default='text', help="record field holding the document text")
     p.add_argument('--tokenizer', default='gpt2', metavar='{' + ','.join(TOKENIZERS) + '} or tokenizer.json',
                    help="a built-in tokenizer or a HuggingFace tokenizer.json (e.g. the study's, beside its checkpoints)")
     p.add_argument('--out_dir', default=None, help="default: data/fineweb_edu (gpt2), data/fineweb_edu_byte (byte)")
     p.add_argument('--num_docs', type=int, default=None, help="cap on documents; default: all local docs, 200,000 from the hub")
-    p.add_argument('--val_fraction', type=float, default=0.005, help="expected fraction of documents in val.bin")
+    p.add_argument('--val_fraction', type=float, default=None,
+                   help=f"expected fraction of documents in val.bin; default 0.005 ({SAMPLE_VAL_FRACTION} with --sample)")
     p.add_argument('--num_proc', type=int, default=min(8, os.cpu_count() or 1), help="tokenizer threads")
     return p.parse_args(argv)
 
@@ -159,6 +221,14 @@ def main(argv=None):
     output file is created or replaced.
     """
     args = parse_args(argv)
+    if args.sample and args.input:
+        raise ValueError("--sample and --input both name the input: give one of them")
+    if args.sample:
+        args.input = [str(SAMPLE)]
+    if args.val_fraction is None:
+        args.val_fraction = SAMPLE_VAL_FRACTION if args.sample else 0.005
+    if args.txt_doc_chars < 1:
+        raise ValueError(f"--txt_doc_chars must be at least 1, got {args.txt_doc_chars}")
     if not 0.0 < args.val_fraction < 1.0:
         raise ValueError(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
     if args.num_docs is not None and args.num_docs < 2:
@@ -173,7 +243,7 @@ def main(argv=None):
 
     if args.input:
         sources = expand_inputs(args.input)
-        texts = (t for p in sources for t in iter_file(p, args.text_field))
+        texts = (t for p in sources for t in iter_file(p, args.text_field, args.txt_doc_chars))
         num_docs = args.num_docs
     else:
         num_docs = args.num_docs or 200_000

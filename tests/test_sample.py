@@ -1,0 +1,152 @@
+"""sample.py: deterministic with a seed, crops the context to block_size, greedy decoding of a
+model trained (here, in a few seconds) on a repeated sentence reproduces the sentence, and bad
+inputs are one line. Run: python -m pytest tests/test_sample.py -q"""
+
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import sample  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+PATTERN = 'the quick brown fox jumps over the lazy dog. '
+
+
+def tiny_config(residual='preln', block_size=16):
+    return GPTConfig(vocab_size=257, block_size=block_size, n_layer=2, n_head=2, n_embd=32, residual=residual)
+
+
+def save(model, path, tokenizer='byte'):
+    """A checkpoint in train.py's format (the keys sample.py reads)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({'model': model.state_dict(), 'model_args': asdict(model.config),
+                'config': {'dataset': 'nowhere'}, 'iter_num': 0, 'tokenizer': tokenizer}, path)
+    return path
+
+
+@pytest.mark.parametrize('residual', ['preln', 'attnres', 'mhc', 'moda'])
+def test_same_seed_same_samples(residual, tmp_path, capsys):
+    torch.manual_seed(0)
+    ckpt = save(GPT(tiny_config(residual)), tmp_path / 'run' / 'ckpt.pt')
+    args = [f'--out_dir={tmp_path / "run"}', '--device=cpu', '--start=the ', '--num_samples=2',
+            '--max_new_tokens=20', '--temperature=1.0', '--top_k=0']
+    a = sample.main(args + ['--seed=1'])
+    b = sample.main([f'--init_from={ckpt}'] + args + ['--seed=1'])  # the file itself: the same model
+    c = sample.main(args + ['--seed=2'])
+    assert a == b and a != c
+    assert len(a) == 2 and a[0] != a[1]  # two draws, not one repeated
+    assert all(s.startswith('the ') for s in a)
+    out = capsys.readouterr().out
+    assert out.count('---------------') == 6 and a[0] in out
+
+
+def test_context_is_cropped_to_block_size():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(block_size=8)).eval()
+    seen = []
+    hidden = model.hidden
+    model.hidden = lambda idx, *a, **k: (seen.append(idx.size(1)), hidden(idx, *a, **k))[1]
+    idx = torch.randint(0, 256, (1, 20))
+    out = sample.generate(model, idx, 12, temperature=0)
+    assert out.shape == (1, 32) and torch.equal(out[:, :20], idx)
+    assert max(seen) == 8  # never more than block_size tokens
+    # an independent greedy loop over explicit windows of the last 8 tokens
+    ref = idx.clone()
+    for _ in range(12):
+        logits, _ = GPT.forward(model, ref[:, -8:])
+        ref = torch.cat([ref, logits[:, -1, :256].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(sample.generate(model, idx, 12, temperature=0, n_vocab=256), ref)
+
+
+def test_top_k_one_is_greedy_and_padding_ids_are_never_drawn():
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    idx = torch.randint(0, 256, (3, 5))
+    greedy = sample.generate(model, idx, 10, temperature=0, n_vocab=200)
+    gen = torch.Generator().manual_seed(0)
+    assert torch.equal(sample.generate(model, idx, 10, temperature=1.5, top_k=1, n_vocab=200, generator=gen), greedy)
+    drawn = sample.generate(model, idx, 50, temperature=5.0, top_k=0, n_vocab=200, generator=gen)[:, 5:]
+    assert drawn.max() < 200
+
+
+def test_greedy_decoding_of_a_trained_model_reproduces_the_pattern(tmp_path):
+    """A 2-block Full AttnRes model trained for 150 steps on the repeated sentence: greedy
+    decoding from its first words writes the sentence on, past block_size."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=257, block_size=32, n_layer=2, n_head=2, n_embd=64, residual='attnres')
+    model = GPT(cfg)
+    data = torch.tensor(list((PATTERN * 40).encode()), dtype=torch.long)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(150):
+        starts = torch.randint(0, len(data) - 33, (16,))
+        xy = torch.stack([data[s:s + 33] for s in starts])
+        _, loss = model(xy[:, :-1], xy[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1  # the pattern is learnt (ln 257 = 5.5 at the start)
+    ckpt = save(model, tmp_path / 'ckpt.pt')
+    [text] = sample.main([f'--init_from={ckpt}', '--device=cpu', '--start=the quick', '--num_samples=1',
+                          '--max_new_tokens=80', '--temperature=0'])
+    assert text == ('the quick' + (PATTERN * 3)[len('the quick'):])[:len('the quick') + 80]
+
+
+def one_line_error(args, *words):
+    with pytest.raises(SystemExit) as e:
+        sample.main(['--device=cpu', *args])
+    msg = str(e.value.code)
+    assert msg.startswith('error:') and '\n' not in msg and all(w in msg for w in words), msg
+
+
+def test_bad_inputs_are_one_line(tmp_path):
+    r = subprocess.run([sys.executable, 'sample.py', '--device=cpu', f'--out_dir={tmp_path / "none"}'], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and 'none/ckpt.pt' in lines[0] and 'not found' in lines[0], r.stderr
+    (tmp_path / 'junk.pt').write_bytes(b'not a checkpoint')
+    one_line_error([f'--init_from={tmp_path / "junk.pt"}'], 'junk.pt', 'cannot be read')
+    ckpt = save(GPT(tiny_config()), tmp_path / 'ok' / 'ckpt.pt')
+    one_line_error([f'--init_from={ckpt}', f'--start=FILE:{tmp_path / "prompt.txt"}'], 'prompt.txt', 'not found')
+    (tmp_path / 'latin1.txt').write_bytes(b'caf\xe9')
+    one_line_error([f'--init_from={ckpt}', f'--start=FILE:{tmp_path / "latin1.txt"}'], 'latin1.txt', 'UTF-8')
+    one_line_error([f'--init_from={ckpt}', '--tokenizer=gpt2'], 'gpt2', "vocab_size")
+    one_line_error([f'--init_from={ckpt}', '--tokenizer=nope'], 'nope')
+    one_line_error([f'--init_from={ckpt}', '--temperature=-1'], 'temperature=-1')
+    one_line_error([f'--init_from={ckpt}', '--num_sample=2'], 'num_samples')  # misspelt: did you mean
+
+
+def test_start_file_prompt(tmp_path):
+    torch.manual_seed(0)
+    ckpt = save(GPT(tiny_config()), tmp_path / 'ckpt.pt')
+    (tmp_path / 'p.txt').write_text('naïve café\n', encoding='utf-8')
+    [text] = sample.main([f'--init_from={ckpt}', '--device=cpu', f'--start=FILE:{tmp_path / "p.txt"}',
+                          '--num_samples=1', '--max_new_tokens=0'])
+    assert text == 'naïve café\n'
+
+
+def test_a_tokenizer_json_recorded_in_the_checkpoint_is_used(tmp_path):
+    tokenizers = pytest.importorskip('tokenizers')
+    from tokenizers import models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE(unk_token='[UNK]'))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator([PATTERN * 20], trainers.BpeTrainer(vocab_size=300, special_tokens=['<|endoftext|>'],
+                                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path / 'tokenizer.json'
+    tok.save(str(path))
+    n = tok.get_vocab_size()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=n, block_size=16, n_layer=1, n_head=2, n_embd=32, residual='preln')
+    ckpt = save(GPT(cfg), tmp_path / 'ckpt.pt', tokenizer=str(path))
+    [text] = sample.main([f'--init_from={ckpt}', '--device=cpu', '--start=the lazy dog', '--num_samples=1',
+                          '--max_new_tokens=5', '--temperature=0'])
+    ids = tok.encode('the lazy dog', add_special_tokens=False).ids
+    assert text.startswith('the lazy dog') and len(tok.encode(text, add_special_tokens=False).ids) >= len(ids)
+    with pytest.raises(SystemExit, match='tokenizer'):  # GPT-2's 50,257 ids do not fit this model
+        sample.main([f'--init_from={ckpt}', '--device=cpu', '--tokenizer=gpt2'])
