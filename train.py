@@ -604,7 +604,8 @@ def write_failed(path, e, need_bytes=None):
     d = os.path.dirname(os.path.abspath(path))
     free = shutil.disk_usage(d).free
     need = f", about {need_bytes / 1e6:,.1f} MB needed" if need_bytes else ''
-    full = getattr(e, 'errno', None) in (errno.ENOSPC, errno.EDQUOT) or 'No space left' in str(e)
+    full = getattr(e, 'errno', None) in (errno.ENOSPC, errno.EDQUOT) or 'No space left' in str(e) \
+        or (need_bytes is not None and free < need_bytes)  # torch's C++ writer gives no errno
     why = 'the disk is full' if full else f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     kept = f"; {ckpt_path} (the last complete checkpoint) is kept" if os.path.exists(ckpt_path) else ''
     fail(f"cannot write {path}: {why} ({d}: {free / 1e6:,.1f} MB free{need}): free space, or move "
@@ -612,18 +613,23 @@ def write_failed(path, e, need_bytes=None):
 
 
 def atomic_write(path, write):
-    """write(f) into a temp file of a unique name beside path (binary), fsync, rename: a crash
-    or a full disk mid-write never leaves a truncated file at path, nor a temp file behind."""
+    """write(tmp) writes the file at the path tmp, a temp name unique to this process beside
+    path; then fsync and rename: a crash or a full disk mid-write never leaves a truncated
+    file at path, nor a temp file behind. (torch.save is given the path, not a Python file
+    object: its C++ writer then runs no Python, so a Ctrl-C lands after the write.)"""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, 'wb') as f:
-            write(f)
-            f.flush()
+        write(tmp)
         fsync_replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def write_bytes(tmp, data):
+    with open(tmp, 'wb') as f:
+        f.write(data)
 
 
 def _nbytes(obj):
@@ -657,7 +663,7 @@ def save_checkpoint(path, evaluated=True, best=False):
             'tokenizer': meta.get('tokenizer')}  # sample.py decodes with it (None: data without meta.json)
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     try:
-        atomic_write(path, lambda f: torch.save(ckpt, f))
+        atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
         if best:
             best_path = os.path.join(os.path.dirname(path), 'ckpt_best.pt')
             tmp = f"{best_path}.{os.getpid()}.tmp"
@@ -667,7 +673,7 @@ def save_checkpoint(path, evaluated=True, best=False):
             except OSError:  # no hard links here: a copy
                 if os.path.exists(tmp):
                     os.remove(tmp)
-                atomic_write(best_path, lambda f: shutil.copyfileobj(open(path, 'rb'), f))
+                atomic_write(best_path, lambda t: shutil.copyfile(path, t))
     except (OSError, RuntimeError) as e:  # torch reports a failed write as a RuntimeError
         write_failed(path, e, _nbytes(ckpt))
 
@@ -708,7 +714,7 @@ if master and not eval_only and init_from == 'resume' and os.path.exists(metrics
     with open(metrics_path) as f:
         rows = [line for line in f if (it := _row_iter(line)) is not None and it <= iter_num]
     try:
-        atomic_write(metrics_path, lambda f: f.write(''.join(rows).encode()))
+        atomic_write(metrics_path, lambda tmp: write_bytes(tmp, ''.join(rows).encode()))
     except OSError as e:
         write_failed(metrics_path, e)
 wandb_run = None
@@ -887,7 +893,7 @@ if iter_num == max_iters and master:
                'model_args': asdict(raw_model.config)}
     _summary_path = os.path.join(out_dir, 'summary.json')
     try:
-        atomic_write(_summary_path, lambda f: f.write(json.dumps(summary, indent=1).encode()))
+        atomic_write(_summary_path, lambda tmp: write_bytes(tmp, json.dumps(summary, indent=1).encode()))
     except OSError as e:
         write_failed(_summary_path, e)
     spiked = val_loss is not None and val_loss > SPIKE_RATIO * best_val_loss
