@@ -9,8 +9,10 @@ paper, arXiv 2609.32534), for every residual scheme, following probes.md.
                     --out_dir=out/compare_L32
 
 writes probe.json and one PNG per figure into --out_dir (default: probe/ next to the
-checkpoint). With --compare, each checkpoint gets its own probe/ (a probe.json may be given
-instead of a checkpoint, to reuse earlier results) and the overlays go to --out_dir.
+checkpoint). A later run on the same checkpoint keeps the metrics it does not recompute (a
+probe.json of another checkpoint is moved aside to probe_iter<N>.json). With --compare,
+everything goes under --out_dir: each checkpoint's results in <out_dir>/<label>/ (a
+probe.json may be given instead of a checkpoint, to reuse earlier results) and the overlays.
 
 Metrics (--metrics=all or a comma list):
     angular        angular distance between depth states, Eq. 2, Fig. 5 style heatmap (probes.md §1)
@@ -137,6 +139,54 @@ def tokenizer_name_for(ckpt, val_bin=None):
     if str(config.get('dataset', '')).endswith('_byte') or ckpt['model_args'].get('vocab_size', 50280) <= 257:
         return 'byte'
     return 'gpt2'
+
+
+def _read_meta(path):
+    # a data directory's meta.json as a dict ({} when absent); ValueError when unreadable
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): prepare the data again") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is not a JSON object: prepare the data again")
+    return meta
+
+
+def _same_tokenizer(a, b):
+    # names of built-in tokenizers compare as names; tokenizer.json files by absolute path, and
+    # two different files are not refused (a copy of one tokenizer may live anywhere)
+    files = [str(n).endswith('.json') for n in (a, b)]
+    if all(files):
+        return True
+    return not any(files) and a == b
+
+
+def check_tokenizer(ckpt, vocab_size, val_bin, requested=None):
+    """Refuses (ValueError) held-out data or a --tokenizer of another tokenizer than the
+    model's: the tokenizer in the meta.json beside val_bin against the one recorded for the
+    checkpoint (the meta.json of its training data, or its config), and against `requested`;
+    a model whose vocab_size came from its data's meta.json must have that data's vocab_size.
+    Token ids alone cannot tell: byte ids (< 257) fit a GPT-2 model's embedding."""
+    data_meta = _read_meta(Path(val_bin).parent / 'meta.json') if val_bin else {}
+    own = data_dir_for(ckpt)
+    own_meta = _read_meta(own / 'meta.json') if own and val_bin and Path(val_bin).parent != own else {}
+    config = ckpt.get('config') or {}
+    trained = own_meta.get('tokenizer') or config.get('tokenizer')
+    data = data_meta.get('tokenizer')
+    where = Path(val_bin).parent / 'meta.json' if val_bin else None
+    if trained and data and not _same_tokenizer(trained, data):
+        raise ValueError(f"{val_bin} holds {data!r} tokens ({where}), the model was trained on {trained!r} tokens: "
+                         f"pass the --val_bin of the data the model was trained on")
+    if data_meta.get('vocab_size') and config.get('vocab_size') is None and data_meta['vocab_size'] != vocab_size:
+        raise ValueError(f"{val_bin} is data of a {data_meta['vocab_size']:,}-id vocabulary ({where}), the model has "
+                         f"vocab_size {vocab_size:,}: pass the --val_bin of the data the model was trained on")
+    known = trained or data
+    if requested and known and not _same_tokenizer(requested, known):
+        raise ValueError(f"--tokenizer={requested} but the model's data is {known!r} "
+                         f"({where if data else 'its checkpoint'}): drop --tokenizer, or pass the model's")
 
 
 def sample_windows(val_bin, n_windows, seq_len, seed=42):
@@ -777,6 +827,7 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     model, ckpt = load_model(ckpt_path, args.device)
     cfg, L = model.config, model.config.n_layer
     val_bin = args.val_bin or (str(data_dir_for(ckpt) / 'val.bin') if data_dir_for(ckpt) else None)
+    check_tokenizer(ckpt, cfg.vocab_size, val_bin, args.tokenizer)
     tok_name = args.tokenizer or tokenizer_name_for(ckpt, val_bin)
     label = args.label or default_label(ckpt_path)
     print(f"{label}: {cfg.residual}, L={L}, d={cfg.n_embd}, {model.num_params():,} parameters, "
@@ -784,6 +835,8 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     out = {'label': label, 'ckpt': str(ckpt_path), 'scheme': cfg.residual, 'n_layer': L, 'n_embd': cfg.n_embd,
            'iter_num': ckpt.get('iter_num'), 'tokenizer': tok_name, 'val_bin': val_bin, 'dtype': args.dtype,
            'settings': {}, 'skipped': {}}
+    if json_path:
+        merge_previous(out, json_path, metrics)
     keys = trace_keys(model)
     amp = (torch.autocast('cuda', dtype=torch.bfloat16) if args.dtype == 'bfloat16'
            else contextlib.nullcontext())  # the study runs bf16 on GPU; metrics are fp32 either way
@@ -805,6 +858,9 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
         if tok.n_vocab > cfg.vocab_size:
             raise ValueError(f"tokenizer {tok_name!r} has {tok.n_vocab:,} ids, more than the model's vocab_size "
                              f"{cfg.vocab_size}: pass the --tokenizer the model was trained with")
+        if tok.vocab_size != cfg.vocab_size and (ckpt.get('config') or {}).get('vocab_size') is None:
+            raise ValueError(f"tokenizer {tok_name!r} pads to {tok.vocab_size:,} ids, the model has vocab_size "
+                             f"{cfg.vocab_size:,}: pass the --tokenizer the model was trained with")
         return tok
 
     def skip(metric, why):
@@ -866,6 +922,43 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     return out
 
 
+IDENTITY_KEYS = ('scheme', 'n_layer', 'n_embd', 'iter_num', 'tokenizer', 'val_bin', 'dtype')
+
+
+def merge_previous(out, json_path, metrics):
+    """Keeps what an earlier probe.json at json_path holds and this run does not recompute:
+    results of the same checkpoint (same file, iteration, scheme, data, dtype) go into `out`
+    (metrics in `metrics` are recomputed and replace theirs); a probe.json of anything else is
+    moved aside to probe_iter<N>.json (or probe_old<k>.json) first, never overwritten."""
+    path = Path(json_path)
+    if not path.is_file():
+        return
+    try:
+        old = load_results(path)
+    except (ValueError, OSError, TypeError, KeyError):
+        old = None
+    same = isinstance(old, dict) and str(Path(old.get('ckpt', '')).resolve()) == str(Path(out['ckpt']).resolve()) \
+        and all(old.get(k) == out[k] for k in IDENTITY_KEYS)
+    if not same:
+        it = old.get('iter_num') if isinstance(old, dict) else None
+        names = ([f"probe_iter{it}.json"] if it is not None else []) + [f"probe_old{k}.json" for k in range(1, 1000)]
+        target = next(path.with_name(n) for n in names if not path.with_name(n).exists())
+        os.replace(path, target)
+        print(f"{path} holds results of another checkpoint or setting: kept as {target}")
+        return
+    for m in METRICS:  # a recomputed metric keeps its old value until the new one is done
+        if m in old:
+            out[m] = old[m]
+            if m in (old.get('settings') or {}):
+                out['settings'][m] = old['settings'][m]
+    kept = [m for m in METRICS if m in old and m not in metrics]
+    for m, why in (old.get('skipped') or {}).items():
+        if m not in metrics:
+            out['skipped'][m] = why
+    if kept:
+        print(f"kept {', '.join(kept)} from the earlier {path}")
+
+
 def _stat(fn, M):
     # nanmean / nanmax that gives NaN instead of a warning for an all-NaN matrix (L = 1)
     M = np.asarray(M, dtype=float)
@@ -915,10 +1008,16 @@ def write_json(results, path):
     """Writes results as JSON to path, through a temporary file: never a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + '.tmp')
-    with open(tmp, 'w') as f:
-        json.dump(_jsonable(results), f, indent=1)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, 'w') as f:
+            json.dump(_jsonable(results), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def write_results(results, out_dir):
@@ -1002,20 +1101,20 @@ def main(argv=None):
             raise ValueError(f"two models share a label in {labels} (a label is the run directory's name, plus "
                              f"the file name for a file other than ckpt.pt): compare runs with distinct names")
         import probe_plots
+        out_dir = Path(args.out_dir or 'out/probe_compare')
         all_results = []
-        for path in args.compare:
+        for path, label in zip(args.compare, labels):
             if path.endswith('.json'):
                 all_results.append(load_results(path))
-            else:
-                r = probe_checkpoint(path, metrics, args, json_path=default_probe_dir(path) / 'probe.json')
-                write_results(r, default_probe_dir(path))
+            else:  # each model's results under out_dir/<label>/: nothing outside --out_dir is written
+                own = out_dir / label.replace('/', '__')
+                r = probe_checkpoint(path, metrics, args, json_path=own / 'probe.json')
+                write_results(r, own)
                 all_results.append(r)
-        out_dir = Path(args.out_dir or 'out/probe_compare')
         out_dir.mkdir(parents=True, exist_ok=True)
-        with open(out_dir / 'compare.json', 'w') as f:
-            json.dump(_jsonable({r['label']: {k: v for k, v in r.items() if k in ('late_pairs', 'prune', 'propagation',
-                                                                                 'usefulness', 'prune_lm')}
-                                 for r in all_results}), f, indent=1)
+        write_json({r['label']: {k: v for k, v in r.items() if k in ('late_pairs', 'prune', 'propagation',
+                                                                     'usefulness', 'prune_lm')}
+                    for r in all_results}, out_dir / 'compare.json')
         for path in probe_plots.plot_all(all_results, out_dir):
             print(f"wrote {path}")
         return all_results
