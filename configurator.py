@@ -58,8 +58,21 @@ def _check_type(key, value, current, where, declared=None):
                       f"got {value!r} ({type(value).__name__})")
 
 
+def _assigned_names(tree):
+    """Names a module assigns at its top level (`x = ...`, `x: int = ...`, `x += ...`, `a, b = ...`)."""
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
 def _run_config_file(path, g, keys, none_types):
-    """Execute a config file; return {key: value} for the declared keys it changed."""
+    """Execute a config file; return {key: value} for the declared keys it changed or
+    assigns (also to the value they already have: a resumed run checks those against its
+    checkpoint, train.py)."""
     if not os.path.isfile(path):
         hint = f"; to override a key write --{path}" if '=' in path else ""
         raise ConfigError(f"config file not found: {path}{hint}")
@@ -68,7 +81,9 @@ def _run_config_file(path, g, keys, none_types):
     ns = {k: g[k] for k in keys}  # the file sees (and may build on) the current values
     before = dict(ns)
     try:
-        exec(compile(source, path, 'exec'), ns)
+        tree = ast.parse(source, path)
+        assigned = _assigned_names(tree)
+        exec(compile(tree, path, 'exec'), ns)
     except Exception as e:
         raise ConfigError(f"{path} failed: {type(e).__name__}: {e}") from e
     changed = {}
@@ -78,7 +93,7 @@ def _run_config_file(path, g, keys, none_types):
         if name not in before:
             raise ConfigError(f"{path}: unknown config key {name!r}{_close(name, keys)}; "
                               f"prefix helper variables with _")
-        if (type(value), value) != (type(before[name]), before[name]):
+        if (type(value), value) != (type(before[name]), before[name]) or name in assigned:
             changed[name] = _check_type(name, value, g[name], path, none_types.get(name))
     return changed
 

@@ -676,8 +676,8 @@ def plot(rows, path, losses=None, title=''):
         panels += [('peak_mem_bytes', 1e9, 'peak memory (GB)'), ('hours_per_1B', 1, 'device-hours / 1B prefill tokens')]
     if losses:
         rows = [dict(r, val_loss=losses.get((r['scheme'], r['L'], r['d']))) for r in rows]
-        if any(r['val_loss'] is not None for r in rows):
-            panels.append(('val_loss', 1, 'validation loss (nats)'))
+        panels.append(('val_loss', 1, 'validation loss (nats)'))
+    panels = [p for p in panels if any(r.get(p[0]) is not None for r in rows)]  # no empty panel
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.6 * nrows), squeeze=False)
@@ -690,15 +690,27 @@ def plot(rows, path, losses=None, title=''):
     style = {s: (*next(styles), colors[i % len(colors)]) for i, s in enumerate(schemes)}  # one colour per scheme
     for ax, (key, scale, label) in zip(axes.flat, panels):
         for s in schemes:
-            pts = sorted((r['ratio'], r[key] / scale) for r in rows if r['scheme'] == s and r.get(key) is not None)
-            if pts:
-                ax.plot(*zip(*pts), linestyle=style[s][0], marker=style[s][1], color=style[s][2], ms=3, label=s)
+            mine = sorted((r for r in rows if r['scheme'] == s and r.get(key) is not None), key=lambda r: r['ratio'])
+            if not mine:
+                continue
+            x, y = [r['ratio'] for r in mine], [r[key] / scale for r in mine]
+            ax.plot(x, y, linestyle=style[s][0], marker=style[s][1], color=style[s][2], ms=3, label=s)
+            if key == 'hours_per_1B' and all(r.get('times_s') for r in mine):
+                # the spread of the timed passes (min .. max), scaled like the median
+                lo = [y_ * min(r['times_s']) / r['latency_s'] for y_, r in zip(y, mine)]
+                hi = [y_ * max(r['times_s']) / r['latency_s'] for y_, r in zip(y, mine)]
+                ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]], fmt='none', color=style[s][2],
+                            capsize=2, lw=0.8)
         ax.set_xscale('log')
         ax.set_xticks([x for x, _ in ticks], [f"{x:.0f}\nL={L}" for x, L in ticks], fontsize=7)
         ax.minorticks_off()
         ax.set_xlabel('d / L (log scale)')
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+        if key == 'hours_per_1B':
+            n = min((len(r['times_s']) for r in rows if r.get('times_s')), default=0)
+            ax.set_title(f"median of {n} timed passes, bars min-max" + (" (few passes: noisy)" if n < 5 else ""),
+                         fontsize=7)
     axes[0][0].legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=9)
@@ -913,7 +925,8 @@ def main(argv=None):
                        convention=convention, command='python cost.py ' + ' '.join(argv if argv is not None
                                                                                    else sys.argv[1:]),
                        rows=rows), f, indent=1)
-    plot(rows, os.path.join(args.out, 'cost.png'), losses, title=f"{args.family}: {convention}")
+    what = (f"shapes {args.shapes}" if args.shapes else f"family {args.family}")
+    plot(rows, os.path.join(args.out, 'cost.png'), losses, title=f"{what}: {convention}")
     print(f"wrote {os.path.join(args.out, 'cost.json')} and cost.png")
     return 0
 

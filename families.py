@@ -213,17 +213,19 @@ ONEPOINTSIX_SHAPES = ((28, 2048), (40, 1728), (54, 1504))
 # held at that of L=4, d=128 (803,840 parameters); L in {2, 4, 8} gives d = 176, 128,
 # 96 (d/L = 88, 32, 12, a span like the main family's 76 -> 9); 4 heads everywhere so
 # head_dim = d/4 >= 16. Byte-level text (vocab 257), T = 256, float32 on the CPU.
-# Budget: the 9 runs and the probes in about an hour on one core of a 2-core machine
-# (OMP_NUM_THREADS=1, leaving the other core free), so every run sees
-# MINI_TOKENS_PER_PARAM = 2.5 tokens per backbone parameter (≈2M tokens, ≈500 steps of
-# 4,096 tokens). The arithmetic: preln L=4 trains at ≈15k tokens/s on 2 idle cores
-# (0.27 s per step), ≈1.6x slower on one; relative step costs measured on one thread
-# are preln L=2/4/8 ≈ 0.9/1.0/1.3 and attnres ≈ 1.0/1.45/2.2, hc ≈ 1.3x preln; sum over
-# the 9 runs ≈ 6,000 preln-L4 steps ≈ 45 min on one core, plus evaluations, start-up
-# and the probes of the L=8 models. Scale MINI_TOKENS_PER_PARAM with your machine.
+# Budget: three seeds of the 9 runs in about an hour on one core of a shared 2-core
+# machine (OMP_NUM_THREADS=1, leaving the other core free), so every run sees
+# MINI_TOKENS_PER_PARAM = 0.5 tokens per backbone parameter (≈0.4M tokens, ≈100 steps of
+# 4,096 tokens), evaluated at the start, half-way and at the end. The arithmetic: preln
+# L=4 trains at ≈15k tokens/s on 2 idle cores (0.27 s per step), ≈1.6x slower on one;
+# relative step costs measured on one thread are preln L=2/4/8 ≈ 0.9/1.0/1.3 and attnres
+# ≈ 1.0/1.45/2.2, hc ≈ 1.3x preln; sum over the 9 runs ≈ 1,200 preln-L4 steps ≈ 9 min
+# per seed on one idle core, plus evaluations and start-up. (A single seed at 2.5 tokens
+# per parameter, ≈500 steps, took about an hour.) Scale MINI_TOKENS_PER_PARAM with your
+# machine.
 MINI_DEPTHS = (2, 4, 8)
 MINI_BACKBONE = backbone_params(4, 128, n_head=4)
-MINI_TOKENS_PER_PARAM = 2.5
+MINI_TOKENS_PER_PARAM = 0.5
 MINI_BATCH = dict(block_size=256, batch_size=16, gradient_accumulation_steps=1)  # 4,096 tokens per step
 
 
@@ -233,7 +235,7 @@ def _mini_shapes():
         d = mini_width(L, MINI_BACKBONE)
         tokens_per_step = MINI_BATCH['block_size'] * MINI_BATCH['batch_size'] * MINI_BATCH['gradient_accumulation_steps']
         max_iters = round(MINI_TOKENS_PER_PARAM * backbone_params(L, d, n_head=4) / tokens_per_step)
-        shapes.append(Shape(L, d, extra=dict(max_iters=max_iters, eval_interval=max_iters // 4)))
+        shapes.append(Shape(L, d, extra=dict(max_iters=max_iters, eval_interval=max_iters // 2)))
     return tuple(shapes)
 
 

@@ -9,8 +9,10 @@ Depth-utilization diagnostics and evaluations of DepthBench (Sec. 4 of the paper
                     --out_dir=out/compare_L32
 
 writes probe.json and one PNG per figure into --out_dir (default: probe/ next to the
-checkpoint). With --compare, each checkpoint gets its own probe/ (a probe.json may be given
-instead of a checkpoint, to reuse earlier results) and the overlays go to --out_dir.
+checkpoint). A later run on the same checkpoint keeps the metrics it does not recompute (a
+probe.json of another checkpoint is moved aside to probe_iter<N>.json). With --compare,
+everything goes under --out_dir: each checkpoint's results in <out_dir>/<label>/ (a
+probe.json may be given instead of a checkpoint, to reuse earlier results) and the overlays.
 
 Metrics (--metrics=all or a comma list):
     angular        angular distance between depth states, Eq. 2, Fig. 5 style heatmap
@@ -22,6 +24,10 @@ Metrics (--metrics=all or a comma list):
     prune          ARC-Easy acc / acc_norm with each block skipped, Fig. 8 left
     propagation    HC/mHC stream-mixing product: erank, mean |cos|, spectrum, Fig. 10, Eqs. 9-10
     domain_nll     completion NLL on coding / STEM / math, Fig. 4
+    jacobian       ||J_l - I||_F / sqrt(D) of each block's map, random-probe estimate (probe_analysis.py)
+    usefulness     each block replaced by its least-squares linear stand-in: loss ratio, share > 10%
+    token_collapse stable rank, entropy effective rank, L1/L2 of the singular values of each depth state
+    prune_lm       held-out LM loss with each block skipped, ± s.e. over windows
 Metrics that do not apply to a scheme (propagation for Pre-LN) are skipped with a notice.
 
 Interventions reuse prefixes: a skipped, swapped or dropped block leaves every block before
@@ -45,6 +51,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import evals
+import probe_analysis
 from model import GPT, GPTConfig
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -66,7 +73,8 @@ CAUSAL_THRESHOLD = 0.45          # R_causal counts C > this (Eq. 6)
 PERM_THRESHOLD = 0.15            # R_perm counts P > this (Eq. 8)
 LATE_START_FRAC = 0.25           # late pairs: s >= ceil(L * this), 0-based (Eq. 5)
 METRICS = ['angular', 'causal', 'permutation', 'path_weights', 'block_weights',
-           'logit_lens', 'prune', 'propagation', 'domain_nll']
+           'logit_lens', 'prune', 'propagation', 'domain_nll'] + list(probe_analysis.ANALYSES)
+DEFAULT_WINDOWS.update({name: a[1] for name, a in probe_analysis.ANALYSES.items()})  # the study's defaults
 
 # -----------------------------------------------------------------------------
 # checkpoint, tokenizer and token windows
@@ -131,6 +139,54 @@ def tokenizer_name_for(ckpt, val_bin=None):
     if str(config.get('dataset', '')).endswith('_byte') or ckpt['model_args'].get('vocab_size', 50280) <= 257:
         return 'byte'
     return 'gpt2'
+
+
+def _read_meta(path):
+    # a data directory's meta.json as a dict ({} when absent); ValueError when unreadable
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): prepare the data again") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is not a JSON object: prepare the data again")
+    return meta
+
+
+def _same_tokenizer(a, b):
+    # names of built-in tokenizers compare as names; tokenizer.json files by absolute path, and
+    # two different files are not refused (a copy of one tokenizer may live anywhere)
+    files = [str(n).endswith('.json') for n in (a, b)]
+    if all(files):
+        return True
+    return not any(files) and a == b
+
+
+def check_tokenizer(ckpt, vocab_size, val_bin, requested=None):
+    """Refuses (ValueError) held-out data or a --tokenizer of another tokenizer than the
+    model's: the tokenizer in the meta.json beside val_bin against the one recorded for the
+    checkpoint (the meta.json of its training data, or its config), and against `requested`;
+    a model whose vocab_size came from its data's meta.json must have that data's vocab_size.
+    Token ids alone cannot tell: byte ids (< 257) fit a GPT-2 model's embedding."""
+    data_meta = _read_meta(Path(val_bin).parent / 'meta.json') if val_bin else {}
+    own = data_dir_for(ckpt)
+    own_meta = _read_meta(own / 'meta.json') if own and val_bin and Path(val_bin).parent != own else {}
+    config = ckpt.get('config') or {}
+    trained = own_meta.get('tokenizer') or config.get('tokenizer')
+    data = data_meta.get('tokenizer')
+    where = Path(val_bin).parent / 'meta.json' if val_bin else None
+    if trained and data and not _same_tokenizer(trained, data):
+        raise ValueError(f"{val_bin} holds {data!r} tokens ({where}), the model was trained on {trained!r} tokens: "
+                         f"pass the --val_bin of the data the model was trained on")
+    if data_meta.get('vocab_size') and config.get('vocab_size') is None and data_meta['vocab_size'] != vocab_size:
+        raise ValueError(f"{val_bin} is data of a {data_meta['vocab_size']:,}-id vocabulary ({where}), the model has "
+                         f"vocab_size {vocab_size:,}: pass the --val_bin of the data the model was trained on")
+    known = trained or data
+    if requested and known and not _same_tokenizer(requested, known):
+        raise ValueError(f"--tokenizer={requested} but the model's data is {known!r} "
+                         f"({where if data else 'its checkpoint'}): drop --tokenizer, or pass the model's")
 
 
 def sample_windows(val_bin, n_windows, seq_len, seed=42):
@@ -655,6 +711,12 @@ def propagation_stats(model, windows, batch_size=BATCH_SIZE, n_boot=1000, seed=0
 # -----------------------------------------------------------------------------
 # evaluations (paper Figs. 4, 8 left; docs/probes.md) through evals.py
 
+def _paired_se(a, b):
+    # standard error of mean(a - b) over paired units (n - 1 in the variance); NaN for n < 2
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    return float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float('nan')
+
+
 @torch.no_grad()
 def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     """Single-block pruning on ARC-Easy (Fig. 8 left; docs/probes.md, evaluations): zero-shot accuracy of the
@@ -664,7 +726,8 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     kept (PrefixRunner), so skipping block l re-runs only blocks l..L-1 (memory: L+1 states of
     every sequence of the chunk; lower chunk_items if it does not fit).
     items: load_task('arc_easy'). Returns {'baseline': {'acc', 'acc_norm'}, 'blocks': [{'block',
-    'acc', 'acc_norm', 'delta_acc', 'delta_acc_norm'}], 'metric': 'acc_norm', 'n'}."""
+    'acc', 'acc_norm', 'delta_acc', 'delta_acc_norm', 'se_delta_acc_norm' (standard error of the
+    paired per-question difference)}], 'metric': 'acc_norm', 'n'}."""
     model.eval()
     if not items:
         raise ValueError("prune_scan needs at least one ARC-Easy item")
@@ -673,6 +736,7 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     offsets = np.cumsum([0] + [len(it['choices']) for it in items])
     variants = [None] + list(range(L))  # None = the full model
     correct = {v: [0, 0] for v in variants}
+    right = {v: [] for v in variants}  # per question: acc_norm correct (0/1), for the paired s.e.
     runner = PrefixRunner(model)
     chunks = range(0, len(items), chunk_items)
     pbar = tqdm(total=len(chunks) * len(variants), desc='prune (ARC-Easy)', disable=not progress)
@@ -685,6 +749,7 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
                                         batch_size=batch_size, max_len=model.config.block_size, device=device)
             correct[v][0] += round(r['acc'] * r['n'])
             correct[v][1] += round(r['acc_norm'] * r['n'])
+            right[v] += [float(pn == it['gold']) for pn, it in zip(r['pred_norm'], its)]
             pbar.update()
         runner.clear()
     pbar.close()
@@ -692,7 +757,8 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     base = {'acc': correct[None][0] / n, 'acc_norm': correct[None][1] / n}
     blocks = [{'block': l, 'acc': correct[l][0] / n, 'acc_norm': correct[l][1] / n,
                'delta_acc': (correct[l][0] - correct[None][0]) / n,
-               'delta_acc_norm': (correct[l][1] - correct[None][1]) / n} for l in range(L)]
+               'delta_acc_norm': (correct[l][1] - correct[None][1]) / n,
+               'se_delta_acc_norm': _paired_se(right[l], right[None])} for l in range(L)]
     return {'baseline': base, 'blocks': blocks, 'metric': 'acc_norm', 'n': n}
 
 
@@ -761,6 +827,7 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     model, ckpt = load_model(ckpt_path, args.device)
     cfg, L = model.config, model.config.n_layer
     val_bin = args.val_bin or (str(data_dir_for(ckpt) / 'val.bin') if data_dir_for(ckpt) else None)
+    check_tokenizer(ckpt, cfg.vocab_size, val_bin, args.tokenizer)
     tok_name = args.tokenizer or tokenizer_name_for(ckpt, val_bin)
     label = args.label or default_label(ckpt_path)
     print(f"{label}: {cfg.residual}, L={L}, d={cfg.n_embd}, {model.num_params():,} parameters, "
@@ -768,6 +835,8 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     out = {'label': label, 'ckpt': str(ckpt_path), 'scheme': cfg.residual, 'n_layer': L, 'n_embd': cfg.n_embd,
            'iter_num': ckpt.get('iter_num'), 'tokenizer': tok_name, 'val_bin': val_bin, 'dtype': args.dtype,
            'settings': {}, 'skipped': {}}
+    if json_path:
+        merge_previous(out, json_path, metrics)
     keys = trace_keys(model)
     amp = (torch.autocast('cuda', dtype=torch.bfloat16) if args.dtype == 'bfloat16'
            else contextlib.nullcontext())  # the study runs bf16 on GPU; metrics are fp32 either way
@@ -789,6 +858,9 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
         if tok.n_vocab > cfg.vocab_size:
             raise ValueError(f"tokenizer {tok_name!r} has {tok.n_vocab:,} ids, more than the model's vocab_size "
                              f"{cfg.vocab_size}: pass the --tokenizer the model was trained with")
+        if tok.vocab_size != cfg.vocab_size and (ckpt.get('config') or {}).get('vocab_size') is None:
+            raise ValueError(f"tokenizer {tok_name!r} pads to {tok.vocab_size:,} ids, the model has vocab_size "
+                             f"{cfg.vocab_size:,}: pass the --tokenizer the model was trained with")
         return tok
 
     def skip(metric, why):
@@ -828,6 +900,12 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
                 out[metric] = prune_scan(model, tokenizer(), items, batch_size=args.eval_batch_size,
                                          progress=True)
                 out['settings'][metric] = {'n_items': len(items)}
+            elif metric in probe_analysis.ANALYSES:
+                if metric in ('jacobian', 'usefulness') and not probe_analysis._supported(model):
+                    skip(metric, f"{cfg.residual!r} computes its depth state from several streams: "
+                                 f"no map of z_l to z_l+1 to differentiate or replace")
+                    continue
+                out[metric] = probe_analysis.ANALYSES[metric][0](model, windows(metric), bs, args)
             elif metric == 'domain_nll':
                 if not evals.load_tasks(evals.NLL_TASKS, args.eval_dir):
                     skip(metric, f"no domain-NLL task in {args.eval_dir}; run `python data/evals/prepare.py`")
@@ -844,6 +922,43 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     return out
 
 
+IDENTITY_KEYS = ('scheme', 'n_layer', 'n_embd', 'iter_num', 'tokenizer', 'val_bin', 'dtype')
+
+
+def merge_previous(out, json_path, metrics):
+    """Keeps what an earlier probe.json at json_path holds and this run does not recompute:
+    results of the same checkpoint (same file, iteration, scheme, data, dtype) go into `out`
+    (metrics in `metrics` are recomputed and replace theirs); a probe.json of anything else is
+    moved aside to probe_iter<N>.json (or probe_old<k>.json) first, never overwritten."""
+    path = Path(json_path)
+    if not path.is_file():
+        return
+    try:
+        old = load_results(path)
+    except (ValueError, OSError, TypeError, KeyError):
+        old = None
+    same = isinstance(old, dict) and str(Path(old.get('ckpt', '')).resolve()) == str(Path(out['ckpt']).resolve()) \
+        and all(old.get(k) == out[k] for k in IDENTITY_KEYS)
+    if not same:
+        it = old.get('iter_num') if isinstance(old, dict) else None
+        names = ([f"probe_iter{it}.json"] if it is not None else []) + [f"probe_old{k}.json" for k in range(1, 1000)]
+        target = next(path.with_name(n) for n in names if not path.with_name(n).exists())
+        os.replace(path, target)
+        print(f"{path} holds results of another checkpoint or setting: kept as {target}")
+        return
+    for m in METRICS:  # a recomputed metric keeps its old value until the new one is done
+        if m in old:
+            out[m] = old[m]
+            if m in (old.get('settings') or {}):
+                out['settings'][m] = old['settings'][m]
+    kept = [m for m in METRICS if m in old and m not in metrics]
+    for m, why in (old.get('skipped') or {}).items():
+        if m not in metrics:
+            out['skipped'][m] = why
+    if kept:
+        print(f"kept {', '.join(kept)} from the earlier {path}")
+
+
 def _stat(fn, M):
     # nanmean / nanmax that gives NaN instead of a warning for an all-NaN matrix (L = 1)
     M = np.asarray(M, dtype=float)
@@ -854,7 +969,9 @@ def _report(metric, r):
     # one summary line per metric, so a run shows what it found without opening the JSON
     if r is None:
         return
-    if metric == 'angular':
+    if metric in probe_analysis.ANALYSES:
+        print(probe_analysis.ANALYSES[metric][2](r))
+    elif metric == 'angular':
         print(f"angular: mean adjacent-state distance {_stat(np.nanmean, r['subsequent'][0]):.4f}, "
               f"embedding -> last {r['matrix'][0, -1]:.4f} ({r['n_tokens']:,} tokens)")
     elif metric == 'causal':
@@ -891,10 +1008,16 @@ def write_json(results, path):
     """Writes results as JSON to path, through a temporary file: never a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + '.tmp')
-    with open(tmp, 'w') as f:
-        json.dump(_jsonable(results), f, indent=1)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, 'w') as f:
+            json.dump(_jsonable(results), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def write_results(results, out_dir):
@@ -943,6 +1066,10 @@ def main(argv=None):
                    help="R_causal counts blocks whose causal score C exceeds this (Eq. 6)")
     p.add_argument('--perm_threshold', type=float, default=PERM_THRESHOLD,
                    help="R_perm counts block pairs whose permutation score P exceeds this (Eq. 8)")
+    p.add_argument('--jacobian_probes', type=int, default=probe_analysis.JACOBIAN_PROBES,
+                   help="random probe vectors per block for the Jacobian deviation (0 = exact, D probes)")
+    p.add_argument('--usefulness_threshold', type=float, default=probe_analysis.USEFULNESS_THRESHOLD,
+                   help="a block is significant when its linear stand-in raises the loss by more than this")
     p.add_argument('--label', default=None, help="name in figures (default: the checkpoint's directory)")
     args = p.parse_args(argv)
     try:
@@ -954,6 +1081,8 @@ def main(argv=None):
             raise ValueError(f"--device={args.device} but CUDA is not available; use --device=cpu")
         if args.dtype == 'bfloat16' and not args.device.startswith('cuda'):
             raise ValueError(f"--dtype=bfloat16 autocast is for CUDA only; on {args.device} use --dtype=float32")
+        if args.jacobian_probes < 0 or args.usefulness_threshold < 0:
+            raise ValueError("--jacobian_probes and --usefulness_threshold must be >= 0")
         for name in ('n_windows', 'seq_len', 'batch_size', 'eval_batch_size', 'n_boot'):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")
@@ -972,19 +1101,20 @@ def main(argv=None):
             raise ValueError(f"two models share a label in {labels} (a label is the run directory's name, plus "
                              f"the file name for a file other than ckpt.pt): compare runs with distinct names")
         import probe_plots
+        out_dir = Path(args.out_dir or 'out/probe_compare')
         all_results = []
-        for path in args.compare:
+        for path, label in zip(args.compare, labels):
             if path.endswith('.json'):
                 all_results.append(load_results(path))
-            else:
-                r = probe_checkpoint(path, metrics, args, json_path=default_probe_dir(path) / 'probe.json')
-                write_results(r, default_probe_dir(path))
+            else:  # each model's results under out_dir/<label>/: nothing outside --out_dir is written
+                own = out_dir / label.replace('/', '__')
+                r = probe_checkpoint(path, metrics, args, json_path=own / 'probe.json')
+                write_results(r, own)
                 all_results.append(r)
-        out_dir = Path(args.out_dir or 'out/probe_compare')
         out_dir.mkdir(parents=True, exist_ok=True)
-        with open(out_dir / 'compare.json', 'w') as f:
-            json.dump(_jsonable({r['label']: {k: v for k, v in r.items() if k in ('late_pairs', 'prune', 'propagation')}
-                                 for r in all_results}), f, indent=1)
+        write_json({r['label']: {k: v for k, v in r.items() if k in ('late_pairs', 'prune', 'propagation',
+                                                                     'usefulness', 'prune_lm')}
+                    for r in all_results}, out_dir / 'compare.json')
         for path in probe_plots.plot_all(all_results, out_dir):
             print(f"wrote {path}")
         return all_results

@@ -5,6 +5,7 @@ another, then collect the results and plot validation loss against shape.
     python sweep.py family=main schemes=preln,attnres,hc               # all their shapes
     python sweep.py family=main schemes=attnres shapes=16,32           # only L = 16 and 32
     python sweep.py family=mini                                        # the CPU mini-DepthBench
+    python sweep.py family=mini seeds=3                                # ... with 3 seeds per run
     python sweep.py family=main extra=--batch_size=8,--gradient_accumulation_steps=64
     python sweep.py family=main plot_only=True                         # collect + plot only
     python sweep.py family=main run=print nproc_per_node=8             # print cluster commands
@@ -19,12 +20,14 @@ not stop the sweep; failures are listed at the end and the exit status is 1.
 Output of train.py streams to the terminal. Paths (config/, out/) are relative to
 the repo root, where train.py also runs.
 
-Results: out/<family>/results.json (one row per run: shape, parameter counts,
-val_loss, status finished / unfinished (last eval of metrics.jsonl) / missing) and
+Results: out/<family>/results.json (one row per run and seed: shape, parameter counts,
+val_loss, status finished / unfinished (last eval of metrics.jsonl) / missing; and a
+summary: mean and standard error over the finished seeds), a printed table of it, and
   out/<family>/loss_vs_ratio.png  val loss vs d/L per scheme; main and fixed_backbone
                                   show a fixed-total and a fixed-backbone panel (each
-                                  when it has results), points labelled with their
-                                  parameter count in M; hollow markers = unfinished
+                                  when it has results), Pre-LN parameter counts under
+                                  the ticks; several seeds: mean ± 1 s.e. and a dot per
+                                  seed; hollow markers = unfinished
   out/cross_scale/loss_vs_size.png val loss vs total parameters, one line per d/L
 
 Single GPU, multi-GPU, multi-node:
@@ -38,12 +41,17 @@ gradient_accumulation_steps in the configs is global (train.py divides it by the
 number of GPUs), so the 512-sequence batch stays the same: 32 must be divisible by
 the GPU count (or pass extra=--batch_size=..,--gradient_accumulation_steps=..).
 run=print reads the skip/resume status from this machine's out/ directory.
+seeds=N trains every run N times, seed by seed (all runs of seed 0, then of seed 1,
+...): seed 0 is the run as configured (train.py's seed 1337, out_dir as in the config),
+seed k > 0 adds --seed=1337+k and trains into <out_dir>_seed<k>. seed=K trains only seed
+index K: three processes `seeds=3 seed=0|1|2 probe=False` side by side share the work.
 extra= changes every run it touches, in place: a shortened smoke test
 (extra=--max_iters=20) finishes into the real out_dir and is then skipped, so
 delete those out_dirs (or use a copy of the repo) before the real sweep.
 """
 
 import json
+import math
 import os
 import re
 import shlex
@@ -63,6 +71,9 @@ OPTIONS = {  # option -> (default, help)
     'nproc_per_node': (None, "GPUs per node (local default 1 = plain python; print default 8)"),
     'nnodes': (1, "nodes per run (run=print only; > 1 prints multi-node torchrun commands)"),
     'plot_only': (False, "True: only collect results and plot"),
+    'seeds': (1, "training seeds per run (seed k > 0 trains into <out_dir>_seed<k> with --seed=1337+k); "
+                 "the table and plot show mean ± standard error over the seeds that finished"),
+    'seed': (None, "train only this seed index of every run (e.g. one process per seed, side by side)"),
     'probe': (None, "True: after training, probe the deepest shape's checkpoints side by side "
                     "(probe.py --compare); default True for the mini family"),
 }
@@ -72,6 +83,32 @@ PROBE_ARGS = {'mini': ['--n_windows=16', '--seq_len=256', '--arc_limit=500', '--
 
 # -----------------------------------------------------------------------------
 # what to do with each run
+
+BASE_SEED = 1337  # train.py's default seed: seed index 0 is the run exactly as configured
+
+
+def seeded(run, k):
+    """
+    The run trained with seed index k (int >= 0): k = 0 is `run` itself; k > 0 is a copy
+    named <name>_seed<k> with out_dir <out_dir>_seed<k> and config seed = 1337 + k (the
+    initial weights and the data order change; the config file is the same, the sweep
+    passes --seed and --out_dir). Raises ValueError for k < 0.
+    """
+    if k < 0:
+        raise ValueError(f"seed index {k} must be >= 0")
+    if k == 0:
+        return run
+    out_dir = f"{run.out_dir}_seed{k}"
+    return families.Run(**{**run.__dict__, 'name': f"{run.name}_seed{k}", 'out_dir': out_dir,
+                           'config': dict(run.config, out_dir=out_dir, seed=BASE_SEED + k),
+                           'info': dict(run.info, seed=k)})
+
+
+def seed_args(run):
+    """The train.py overrides that make a config file train `run` (a seeded() copy): [] for seed 0."""
+    if not run.info.get('seed'):
+        return []
+    return [f"--out_dir={run.out_dir}", f"--seed={run.config['seed']}"]
 
 
 def run_status(run, root=None):
@@ -98,7 +135,8 @@ def train_command(run, status, extra=(), nproc_per_node=1, nnodes=1, launcher=No
     """
     if status not in ('new', 'interrupted'):
         raise ValueError(f"{run.name} is {status}: nothing to run")
-    args = ['train.py', run.config_path] + (['--init_from=resume'] if status == 'interrupted' else []) + list(extra)
+    args = ['train.py', run.config_path] + seed_args(run) + \
+        (['--init_from=resume'] if status == 'interrupted' else []) + list(extra)
     if nproc_per_node == 1 and nnodes == 1:
         return [python] + args
     launcher = list(launcher or [python, '-m', 'torch.distributed.run'])
@@ -118,9 +156,12 @@ def run_command(cmd, cwd):
     return subprocess.run(cmd, cwd=cwd).returncode
 
 
-def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_node=None, nnodes=1, root=None):
+def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_node=None, nnodes=1, root=None,
+          seeds=1, seed=None):
     """
-    Train (run='local') or print the commands for (run='print') every run of a family.
+    Train (run='local') or print the commands for (run='print') every run of a family,
+    `seeds` times (seed by seed: every run of seed 0, then of seed 1, ...; see seeded()), or
+    only seed index `seed` when given.
 
     Finished runs are skipped, interrupted ones resumed, the rest started, one after
     another; a failure does not stop the sweep. Returns the list of (run name,
@@ -140,8 +181,13 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
         raise ValueError("nproc_per_node and nnodes must be >= 1")
     if nnodes > 1 and run == 'local':
         raise ValueError("nnodes > 1 needs one launch per node: use run=print and start the commands on each node")
+    if seeds < 1:
+        raise ValueError(f"seeds={seeds}: give a positive integer")
     root = root or ROOT
-    todo = families.runs(family, schemes, shapes)
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed={seed}: give a seed index >= 0")
+    todo = [seeded(r, k) for k in (range(seeds) if seed is None else [seed])
+            for r in families.runs(family, schemes, shapes)]
     if run == 'local' and not os.path.exists(os.path.join(root, 'train.py')):
         raise FileNotFoundError(f"{os.path.join(root, 'train.py')} not found: run the sweep from a DepthBench checkout")
     if run == 'local':  # one clear error instead of one failed run per config
@@ -213,6 +259,7 @@ def read_result(run, root=None):
     exact count (None until known); params_M the count used in plots.
     """
     row = dict(name=run.name, family=run.family, scheme=run.scheme, L=run.L, d=run.d, ratio=run.ratio,
+               dataset=run.config.get('dataset'),
                backbone=run.backbone, total=run.total, out_dir=run.out_dir, config=run.config_path,
                **{k: v for k, v in run.info.items() if k in ('target_total', 'target_ratio', 'shared_with')})
     out_dir = os.path.join(root or ROOT, run.out_dir)
@@ -237,21 +284,107 @@ def read_result(run, root=None):
     return row
 
 
-def collect(family, root=None):
+def seed_runs(run, root=None, seeds=1):
+    """The seeded copies of a run: seed indices 0..seeds-1, and any further <out_dir>_seed<k>
+    present on disk, in order (seed 0, the run itself, first)."""
+    base = os.path.join(root or ROOT, run.out_dir)
+    parent, name = os.path.dirname(base), os.path.basename(base)
+    ks = []
+    if os.path.isdir(parent):
+        for entry in os.listdir(parent):
+            m = re.fullmatch(re.escape(name) + r'_seed(\d+)', entry)
+            if m and int(m.group(1)) > 0:
+                ks.append(int(m.group(1)))
+    return [seeded(run, k) for k in sorted(set(ks) | set(range(seeds)))]
+
+
+def summarize(rows):
     """
-    Read every run of a family (read_result) into root/out/<family>/results.json
-    = {"family": ..., "runs": [row, ...]}. Returns the list of rows.
+    Mean and standard error over seeds of the validation loss of each (scheme, L): rows
+    (read_result's, with 'seed') -> list of {scheme, L, d, ratio, params_M, n_seeds, mean, se,
+    values, seeds}. Only finished runs count; se = sample std (n - 1) / sqrt(n), None for one
+    seed; a shape with no finished seed is left out.
+    """
+    groups = {}
+    for r in rows:
+        if r['status'] == 'finished' and r['val_loss'] is not None:
+            groups.setdefault((r['scheme'], r['L']), []).append(r)
+    out = []
+    for (scheme, L), rs in groups.items():
+        v = [r['val_loss'] for r in rs]
+        n = len(v)
+        mean = sum(v) / n
+        se = math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1) / n) if n > 1 else None
+        out.append(dict(scheme=scheme, L=L, d=rs[0]['d'], ratio=rs[0]['ratio'], params_M=rs[0]['params_M'],
+                        n_seeds=n, mean=mean, se=se, values=v, seeds=[r.get('seed', 0) for r in rs]))
+    return out
+
+
+def read_all(family, root=None, seeds=1):
+    """read_result of every run of a family and of each of its seeds (seed_runs), with 'seed'."""
+    return [dict(read_result(r, root), seed=r.info.get('seed', 0))
+            for run in families.runs(family) for r in seed_runs(run, root, seeds)]
+
+
+def collect(family, root=None, seeds=1):
+    """
+    Read every run of a family (read_result), with seeds 0..seeds-1 and any other seed on
+    disk (seed_runs),
+    into root/out/<family>/results.json = {"family": ..., "runs": [row, ...] (one per seed,
+    'seed' = its index), "summary": summarize(runs)}. Returns the list of rows.
     """
     root = root or ROOT
-    rows = [read_result(r, root) for r in families.runs(family)]
+    rows = read_all(family, root, seeds)
     path = os.path.join(root, 'out', family, 'results.json')
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, 'w') as f:
-        json.dump(dict(family=family, runs=rows), f, indent=1)
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(dict(family=family, runs=rows, summary=summarize(rows)), f, indent=1)
+    os.replace(tmp, path)
     n = {s: sum(r['status'] == s for r in rows) for s in ('finished', 'unfinished', 'missing')}
+    n_seeds = max((sum(1 for x in rows if x['name'].split('_seed')[0] == r.name) for r in families.runs(family)),
+                  default=1)
     print(f"{family}: {n['finished']} finished, {n['unfinished']} unfinished, {n['missing']} missing "
-          f"-> {os.path.relpath(path, root)}")
+          f"(up to {n_seeds} seed{'s' if n_seeds > 1 else ''} per run) -> {os.path.relpath(path, root)}")
     return rows
+
+
+def format_summary(rows):
+    """The seeds table as markdown: one row per depth L (d/L), one column per scheme, each cell
+    mean ± s.e. (n seeds) of the validation loss; then, per shape, the difference of every
+    scheme to the best one and the depth cost L -> 2L with their standard errors
+    (sqrt(se1² + se2²), independent runs), marked * when larger than 2 s.e."""
+    summ = summarize(rows)
+    if not summ:
+        return "no finished run"
+    schemes = _schemes_in(summ)
+    cell = {(s['scheme'], s['L']): s for s in summ}
+    Ls = sorted({s['L'] for s in summ})
+    fmt = lambda s: ('–' if s is None else f"{s['mean']:.3f}" + (f" ± {s['se']:.3f}" if s['se'] is not None else '')
+                     + f" ({s['n_seeds']})")
+    lines = ["| L (d/L) | " + " | ".join(schemes) + " |", "|---" * (len(schemes) + 1) + "|"]
+    for L in Ls:
+        ratio = next(s['ratio'] for s in summ if s['L'] == L)
+        lines.append(f"| {L} ({ratio:.0f}) | " + " | ".join(fmt(cell.get((sc, L))) for sc in schemes) + " |")
+
+    def diff(a, b):  # a - b with its standard error
+        if a is None or b is None:
+            return None
+        se = math.sqrt((a['se'] or 0) ** 2 + (b['se'] or 0) ** 2) if a['se'] is not None and b['se'] is not None else None
+        d = a['mean'] - b['mean']
+        return f"{d:+.3f}" + ('' if se is None else f" ± {se:.3f}" + (' *' if abs(d) > 2 * se else ''))
+    for L1, L2 in zip(Ls, Ls[1:]):
+        lines.append(f"| L {L1} → {L2} | " + " | ".join(diff(cell.get((sc, L2)), cell.get((sc, L1))) or '–'
+                                                       for sc in schemes) + " |")
+    lines.append("")
+    for L in Ls:
+        have = [cell[(sc, L)] for sc in schemes if (sc, L) in cell]
+        best = min(have, key=lambda s: s['mean'])
+        parts = [f"{s['scheme']} {diff(s, best)}" for s in have if s is not best]
+        lines.append(f"L = {L}: best {best['scheme']}; others " + ", ".join(parts))
+    lines.append("(± = standard error over seeds; * = difference larger than 2 standard errors)")
+    return "\n".join(lines)
+
 
 def probe_deepest(family, schemes=None, shapes=None, root=None):
     """Runs every diagnostic of probe.py on the finished checkpoints of the deepest shape of
@@ -299,38 +432,76 @@ def _with_loss(rows):
     return [r for r in rows if r['val_loss'] is not None]
 
 
+def _loss_label(rows):
+    # byte-level datasets predict bytes, not tokens
+    byte = rows and all(str(r.get('dataset', '')).endswith('_byte') for r in rows)
+    return 'validation loss (nats / byte)' if byte else 'validation loss (nats / token)'
+
+
 def plot_loss_vs_ratio(panels, path):
     """
-    Validation loss vs d/L (log axis), one line per scheme, one subplot per
-    (title, rows) panel; each point labelled with its parameter count in M, unfinished
-    runs drawn hollow. Writes a PNG to path.
+    Validation loss vs d/L (log axis), one line per scheme, one subplot per (title, rows)
+    panel. Several seeds of a run: the mean with ± 1 standard-error bars and each seed as a
+    small dot; unfinished runs (one seed) drawn hollow. Each shape's Pre-LN parameter count
+    is written under its tick. Writes a PNG to path.
     """
     plt = _plt()
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.9), squeeze=False)
     for ax, (title, rows) in zip(axes[0], panels):
-        for scheme in _schemes_in(rows):
-            pts = sorted((r for r in rows if r['scheme'] == scheme), key=lambda r: r['ratio'])
+        summ = {(s['scheme'], s['L']): s for s in summarize(rows)}
+        schemes = _schemes_in(rows)
+        for k, scheme in enumerate(schemes):
             color = _scheme_color(scheme)
-            ax.plot([r['ratio'] for r in pts], [r['val_loss'] for r in pts], '-', color=color, label=scheme)
-            for r in pts:
-                done = r['status'] == 'finished'
-                ax.plot(r['ratio'], r['val_loss'], 'o', color=color, mfc=color if done else 'white')
-                ax.annotate(f"{r['params_M']:.0f}M" if r['params_M'] >= 10 else f"{r['params_M']:.2f}M",
-                            (r['ratio'], r['val_loss']), textcoords='offset points', xytext=(3, 4), fontsize=7)
+            shift = 1 + 0.015 * (k - (len(schemes) - 1) / 2)  # a small x offset per scheme: bars stay apart
+            pts = []
+            for L in sorted({r['L'] for r in rows if r['scheme'] == scheme}):
+                mine = [r for r in rows if r['scheme'] == scheme and r['L'] == L]
+                s = summ.get((scheme, L))
+                x = mine[0]['ratio'] * shift
+                if s is None:  # no finished seed: the latest eval of an unfinished one, if past step 0
+                    last = max(mine, key=lambda r: r['iter'] or 0)
+                    if last['iter']:
+                        pts.append((x, last['val_loss'], None, False))
+                else:
+                    pts.append((x, s['mean'], s['se'], True))
+                    if s['n_seeds'] > 1:
+                        ax.plot([x] * s['n_seeds'], s['values'], '.', color=color, ms=3, alpha=0.5)
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], '-', color=color, label=scheme)
+            for x, y, se, done in pts:
+                ax.errorbar(x, y, yerr=se, fmt='o', color=color, mfc=color if done else 'white', capsize=3)
         ax.set_xscale('log')
         ratios = sorted({r['ratio'] for r in rows})
-        ax.set_xticks(ratios, [f"{x:.0f}\nL={r['L']}" for x, r in
-                               ((x, next(r for r in rows if r['ratio'] == x)) for x in ratios)], fontsize=7)
+        first = {x: next(r for r in rows if r['ratio'] == x) for x in ratios}
+        ax.set_xticks(ratios, [f"{x:.0f}\nL={first[x]['L']}\n{_millions_label(first[x]['params_M'])}"
+                               for x in ratios], fontsize=7)
         ax.minorticks_off()
-        ax.set_xlabel('d/L (wide, shallow  ->  right)')
-        ax.set_ylabel('validation loss (nats/token)')
-        ax.set_title(textwrap.fill(title, 60), fontsize=10)
+        ax.set_xlabel('d/L (wide, shallow  ->  right); Pre-LN parameters under each shape')
+        ax.set_ylabel(_loss_label(rows))
+        ax.set_title(textwrap.fill(title, 64), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle('hollow = unfinished (last eval)', fontsize=8, y=0.01, va='bottom')
-    fig.tight_layout()
+    n = max((s['n_seeds'] for (_, rows) in panels for s in summarize(rows)), default=1)
+    note = (f"mean of up to {n} seeds, bars ± 1 standard error, dots = single seeds; " if n > 1 else "") + \
+        "hollow = unfinished (last eval)"
+    fig.suptitle(note, fontsize=8, y=0.01, va='bottom')
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _millions_label(m):
+    return f"{m:.0f}M" if m >= 10 else f"{m:.2f}M"
+
+
+def _budget(rows):
+    """' , <x> tokens per backbone parameter (as trained)' from the finished rows, '' if none."""
+    per = [r['tokens'] / r['backbone'] for r in rows if r['status'] == 'finished' and r.get('tokens') and r.get('backbone')]
+    if not per:
+        return ''
+    lo, hi = min(per), max(per)
+    return f"; trained on {lo:.2g} tokens per backbone parameter" if hi - lo < 0.05 * hi else \
+        f"; trained on {lo:.2g}-{hi:.2g} tokens per backbone parameter"
 
 
 def plot_loss_vs_size(rows, path):
@@ -371,13 +542,13 @@ def plot(family, rows=None, root=None):
     Returns the list of PNG paths written.
     """
     root = root or ROOT
-    rows = rows if rows is not None else [read_result(r, root) for r in families.runs(family)]
+    rows = rows if rows is not None else read_all(family, root)
     out = os.path.join(root, 'out', family)
     os.makedirs(out, exist_ok=True)
     written = []
     if family in ('main', 'fixed_backbone'):
         other = 'fixed_backbone' if family == 'main' else 'main'
-        by_family = {family: rows, other: [read_result(r, root) for r in families.runs(other)]}
+        by_family = {family: rows, other: read_all(other, root)}
         titles = {'main': 'fixed total ≈400M', 'fixed_backbone': 'fixed backbone ≈300M'}
         panels = [(titles[f], _with_loss(by_family[f])) for f in ('main', 'fixed_backbone')]
     elif family == 'cross_scale':
@@ -388,7 +559,9 @@ def plot(family, rows=None, root=None):
         panels = [(f"{t / 1e6:.0f}M total", _with_loss([r for r in rows if r['target_total'] == t]))
                   for t in dict.fromkeys(r['target_total'] for r in rows)]
     else:
-        panels = [(families.FAMILIES[family].title.split(':')[-1].strip(), _with_loss(rows))]
+        # the family title without the budget it was written for: the runs say what they used
+        title = re.sub(r',\s*[\d.]+ tokens per backbone parameter', '', families.FAMILIES[family].title.split(':')[-1])
+        panels = [(title.strip() + _budget(rows), _with_loss(rows))]
     panels = [p for p in panels if p[1]]
     if panels:
         written.append(os.path.join(out, 'loss_vs_ratio.png'))
@@ -418,9 +591,9 @@ def parse_args(argv):
             raise ValueError(f"unknown option {key!r}; options: {', '.join(OPTIONS)}")
         if key == 'extra':
             extra += [a for a in re.split(r',(?=--)', value) if a]  # commas inside a value are kept
-        elif key in ('nproc_per_node', 'nnodes'):
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"{key}={value!r}: give a positive integer")
+        elif key in ('nproc_per_node', 'nnodes', 'seeds', 'seed'):
+            if not value.isdigit() or int(value) < (0 if key == 'seed' else 1):
+                raise ValueError(f"{key}={value!r}: give a {'seed index >= 0' if key == 'seed' else 'positive integer'}")
             opts[key] = int(value)
         elif key in ('plot_only', 'probe'):
             if value.lower() not in ('true', 'false'):
@@ -454,7 +627,7 @@ def main(argv):
         failures = []
         if not opts['plot_only']:
             failures = sweep(opts['family'], opts['schemes'], opts['shapes'], opts['extra'], opts['run'],
-                             opts['nproc_per_node'], opts['nnodes'])
+                             opts['nproc_per_node'], opts['nnodes'], seeds=opts['seeds'], seed=opts['seed'])
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -463,7 +636,8 @@ def main(argv):
         return 130
     if opts['run'] == 'print' and not opts['plot_only']:
         return 0
-    rows = collect(opts['family'])
+    rows = collect(opts['family'], seeds=max(opts['seeds'], (opts['seed'] or 0) + 1))
+    print(format_summary(rows))
     plot(opts['family'], rows)
     if opts['probe'] and opts['run'] == 'local':
         failures += probe_deepest(opts['family'], opts['schemes'], opts['shapes'])

@@ -17,13 +17,21 @@ and on the worker node the same with --node_rank=1.
 Continue an interrupted run exactly where it stopped:
 $ python train.py config/attnres_L32.py --init_from=resume
 
-Outputs in out_dir: ckpt.pt (latest checkpoint, written atomically), metrics.jsonl
-(one JSON object per log step), summary.json (written when the run finishes).
+A resume takes the run's settings from its checkpoint, so the config file may be left out:
+$ python train.py --out_dir=out/attnres_L32 --init_from=resume
+
+Outputs in out_dir: ckpt.pt (latest checkpoint), ckpt_best.pt (the checkpoint of the lowest
+validation loss), metrics.jsonl (one JSON object per log step), summary.json (written when
+the run finishes), train.lock (held while a run writes there). docs/training.md says what a
+run keeps and how it stops on a fault.
 """
 
+import datetime
+import errno
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -93,6 +101,7 @@ dtype = None  # None = bfloat16 autocast on CUDA, float32 elsewhere; 'float32', 
 compile = None  # torch.compile the model; None = on for CUDA, off elsewhere
 fsdp = False  # shard parameters with FSDP2 (fully_shard) instead of DDP under torchrun
 backend = None  # torch.distributed backend; None = nccl on CUDA, gloo on CPU
+dist_timeout = 600  # seconds a process waits for its peers in a collective before the job fails
 seed = 1337
 # logging to Weights & Biases (rank 0 only; needs `pip install wandb`; WANDB_MODE=offline logs locally)
 wandb_log = False  # also log every metrics.jsonl row, with the per-block arrays, to W&B
@@ -109,12 +118,84 @@ try:
                          none_types=none_default_types)
 except ConfigError as e:
     sys.exit(f"error: {e}")
-config = {k: globals()[k] for k in config_keys}  # saved in checkpoints and summary.json
+_cleanups = []  # run by fail(): undo what a failed start created (the lock, an empty out_dir)
 
 
 def fail(msg):
     """A user error: one line, no traceback."""
+    for fn in _cleanups:
+        fn()
     sys.exit(f"error: {msg}")
+
+
+def lock_out_dir(out_dir):
+    """An exclusive flock on out_dir/train.lock, held until the process ends (the kernel
+    releases it on any exit, kill -9 included): two runs never write one out_dir. The file
+    names the holder's pid. Returns the open file (keep it referenced)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return None
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, 'train.lock')
+    f = open(path, 'a+')
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        other = f.read().strip() or '?'
+        f.close()
+        fail(f"{out_dir} is in use by another train.py (pid {other}, holding {path}): wait for it to "
+             f"end, or use another --out_dir")
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+
+    def undo():  # a failed start leaves out_dir as it found it
+        if os.path.exists(path) and sorted(os.listdir(out_dir)) == ['train.lock']:
+            os.remove(path)
+            if created:
+                os.rmdir(out_dir)
+    _cleanups.append(undo)
+    return f
+
+
+# keys that belong to this invocation, not to the run: a resume never takes them from the checkpoint
+RUN_CONTROL_KEYS = ('out_dir', 'init_from', 'eval_only', 'stop_iter', 'device', 'compile', 'backend', 'fsdp',
+                    'dist_timeout')
+# the model's settings (GPTConfig fields): a resumed run keeps the checkpoint's
+MODEL_KEYS = ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'ffn_hidden', 'residual',
+              'hc_streams', 'hc_out_init_scale', 'hc_readout', 'mhc_sinkhorn_iters', 'mhc_init', 'attnres_blocks',
+              'attnres_eps')
+CHECKPOINT_PARTS = ('model', 'model_args', 'optimizer', 'iter_num', 'loader', 'rng')
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+_out_lock = None
+if int(os.environ.get('RANK', 0)) == 0 and not eval_only:  # rank 0 writes out_dir; it alone holds the lock
+    _out_lock = lock_out_dir(out_dir)
+checkpoint = None
+if init_from == 'resume':
+    if not os.path.exists(ckpt_path):
+        fail(f"init_from='resume' but {ckpt_path} does not exist: start with --init_from=scratch")
+    try:
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        fail(f"cannot read checkpoint {ckpt_path} (truncated or corrupt: {type(e).__name__}): "
+             f"restore a good copy{' (ckpt_best.pt may be one)' if os.path.exists(os.path.join(out_dir, 'ckpt_best.pt')) else ''}, "
+             f"or start fresh with --init_from=scratch in another --out_dir")
+    _missing = [k for k in CHECKPOINT_PARTS if not isinstance(checkpoint, dict) or k not in checkpoint]
+    if _missing:
+        fail(f"{ckpt_path} lacks {', '.join(_missing)}: not a whole train.py checkpoint; restore a good copy "
+             f"or start fresh in another --out_dir")
+    # the run's own settings, except those this command line (or a config file) sets: a resume
+    # continues the run in out_dir whatever defaults the script has now
+    _saved = {k: v for k, v in checkpoint['model_args'].items() if k in MODEL_KEYS}  # without a config: resolved
+    _saved.update(checkpoint.get('config') or {})
+    for _k in config_keys:
+        if _k not in keys_set and _k not in RUN_CONTROL_KEYS and _k in _saved:
+            globals()[_k] = _saved[_k]
+config = {k: globals()[k] for k in config_keys}  # saved in checkpoints and summary.json
 
 
 # the ranges the script relies on: a bad value is one line here, not a traceback (or an
@@ -125,6 +206,7 @@ RANGES = {  # key -> (lowest allowed value, whether the lowest value itself is a
     'max_iters': (1, True), 'stop_iter': (1, True), 'warmup_iters': (0, True),
     'learning_rate': (0, False), 'tokens_per_param': (0, False), 'weight_decay': (0, True),
     'grad_clip': (0, True), 'warmup_frac': (0, True), 'min_lr_frac': (0, True), 'attnres_eps': (0, False),
+    'dist_timeout': (0, False),
 }
 for _key, (_low, _inclusive) in RANGES.items():
     _v = globals()[_key]
@@ -146,7 +228,9 @@ if ddp:
     if device.startswith('cuda'):
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend or ('nccl' if device.startswith('cuda') else 'gloo'))
+    # a frozen or dead peer fails the job after dist_timeout s instead of the default 30 minutes
+    dist.init_process_group(backend=backend or ('nccl' if device.startswith('cuda') else 'gloo'),
+                            timeout=datetime.timedelta(seconds=dist_timeout))
     master = rank == 0
     if gradient_accumulation_steps % world_size:
         fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the "
@@ -204,25 +288,39 @@ autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=d
 # data: uint16 token files of data/<dataset>/prepare.py
 
 
+def open_tokens(path):
+    """A flat uint16 token file as a read-only memmap; one line for a missing, empty or
+    odd-sized (cut off, or not uint16) file."""
+    if not os.path.exists(path):
+        fail(f"{path} not found: prepare the data first, e.g. python data/fineweb_edu/prepare.py "
+             f"--input YOUR_FILES --out_dir={os.path.dirname(path)} (or --sample for the embedded sample)")
+    size = os.path.getsize(path)
+    if size == 0:
+        fail(f"{path} is empty: prepare the data again (data/<dataset>/prepare.py)")
+    if size % 2:
+        fail(f"{path} has an odd number of bytes ({size:,}): not a whole uint16 token file (cut off?); "
+             f"prepare the data again")
+    return np.memmap(path, dtype=np.uint16, mode='r')
+
+
 class TokenLoader:
     """Concat-and-chunk over a flat uint16 token file: the stream is cut into
     len // (T+1) chunks of T+1 tokens (x = chunk[:-1], y = chunk[1:]); each epoch visits
-    them in a permutation seeded by (seed, epoch). Micro-step s of the whole job uses
-    chunks [s*world*B, (s+1)*world*B) of the permutation, rank r the r-th group of B, so
-    2 processes x 1 micro-step see exactly the batches of 1 process x 2 micro-steps.
-    The state (epoch, micro-step) is saved in checkpoints for an exact resume."""
+    them in a permutation seeded by (seed, epoch). The job consumes the permutation in
+    order: a micro-step of the whole job takes the next world*B chunks, rank r the r-th
+    group of B, so 2 processes x 1 micro-step see exactly the batches of 1 process x 2
+    micro-steps. The state (epoch, chunks the whole job consumed in it) is saved in
+    checkpoints; it does not depend on the process count, so a resume on any number of
+    processes continues the same stream."""
 
     def __init__(self, path, B, T, rank=0, world=1, seed=0, shuffle=True):
-        if not os.path.exists(path):
-            fail(f"{path} not found: prepare the data first, e.g. python data/fineweb_edu/prepare.py "
-                 f"--input YOUR_FILES --out_dir={os.path.dirname(path)} (or --sample for the embedded sample)")
-        self.data = np.memmap(path, dtype=np.uint16, mode='r')
+        self.data = open_tokens(path)
         self.B, self.T, self.rank, self.world, self.seed, self.shuffle = B, T, rank, world, seed, shuffle
         self.n_chunks = len(self.data) // (T + 1)
         if self.n_chunks < B * world:
             fail(f"{path} has {len(self.data):,} tokens, fewer than one batch of {B * world} x {T + 1}: "
                  f"prepare more data or lower batch_size/block_size")
-        self.epoch, self.step, self._perm = 0, 0, None
+        self.epoch, self.pos, self._perm = 0, 0, None  # pos: chunks of this epoch consumed by the job
 
     def perm(self):
         if self._perm is None or self._perm[0] != self.epoch:
@@ -233,11 +331,11 @@ class TokenLoader:
 
     def next_batch(self):
         per_step = self.B * self.world
-        if (self.step + 1) * per_step > self.n_chunks:  # epoch exhausted: reshuffle
-            self.epoch, self.step = self.epoch + 1, 0
-        start = self.step * per_step + self.rank * self.B
+        if self.pos + per_step > self.n_chunks:  # epoch exhausted: reshuffle
+            self.epoch, self.pos = self.epoch + 1, 0
+        start = self.pos + self.rank * self.B
         ids = self.perm()[start:start + self.B]
-        self.step += 1
+        self.pos += per_step
         chunks = np.stack([self.data[i * (self.T + 1):(i + 1) * (self.T + 1)] for i in ids]).astype(np.int64)
         xy = torch.from_numpy(chunks)  # (B, T+1)
         x, y = xy[:, :-1], xy[:, 1:]
@@ -246,10 +344,11 @@ class TokenLoader:
         return x.to(device), y.to(device)
 
     def state_dict(self):
-        return {'epoch': self.epoch, 'step': self.step}
+        return {'epoch': self.epoch, 'pos': self.pos}
 
     def load_state_dict(self, s):
-        self.epoch, self.step = s['epoch'], s['step']
+        # 'step' (micro-steps of one process): checkpoints written before the position was global
+        self.epoch, self.pos = s['epoch'], s['pos'] if 'pos' in s else s['step'] * self.B * self.world
 
 
 def prepare_embedded_sample(data_dir, tokenizer_name):
@@ -283,38 +382,51 @@ elif not os.path.isdir(data_dir):
     fail(f"data_dir={data_dir!r} does not exist: prepare data there with "
          f"python data/fineweb_edu/prepare.py --input FILES --out_dir={data_dir}")
 meta_path = os.path.join(data_dir, 'meta.json')
-meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
-train_loader = TokenLoader(os.path.join(data_dir, 'train.bin'), batch_size, block_size, rank, world_size, seed)
+meta = {}
+if os.path.exists(meta_path):
+    try:
+        with open(meta_path) as _f:
+            meta = json.load(_f)
+    except (ValueError, UnicodeDecodeError) as e:
+        fail(f"{meta_path} is not valid JSON ({e}): prepare the data again, or remove the file and pass --vocab_size")
+    if not isinstance(meta, dict) or not isinstance(meta.get('vocab_size', 0), int):
+        fail(f"{meta_path} is not a JSON object with an integer vocab_size: prepare the data again")
+train_path = os.path.join(data_dir, 'train.bin')
+train_loader = TokenLoader(train_path, batch_size, block_size, rank, world_size, seed)
 val_path = os.path.join(data_dir, 'val.bin')
-if not os.path.exists(val_path):
-    fail(f"{val_path} not found: prepare the data first (see README)")
-if len(np.memmap(val_path, dtype=np.uint16, mode='r')) < block_size + 1:
+if len(open_tokens(val_path)) < block_size + 1:
     fail(f"{val_path} holds fewer than block_size+1 = {block_size + 1} tokens: lower --block_size or prepare more validation data")
 if vocab_size is None:
-    vocab_size = meta.get('vocab_size', 50280)
+    if 'vocab_size' not in meta:  # guessing 50280 (GPT-2) for byte-level data would train a wrong model
+        fail(f"{meta_path} {'has no vocab_size' if meta else 'not found'}: prepare the data with "
+             f"data/<dataset>/prepare.py (which writes it), or pass --vocab_size=N")
+    vocab_size = meta['vocab_size']
 
 # -----------------------------------------------------------------------------
 # model, optimizer, resume
 
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+def model_args_of_config():
+    """GPTConfig fields (resolved: n_kv_head, ffn_hidden) of the current settings; one line if invalid."""
+    if residual not in RESIDUALS:
+        fail(f"unknown residual={residual!r}; known: {', '.join(RESIDUALS)}")
+    try:
+        return asdict(GPTConfig(**{k: globals()[k] for k in MODEL_KEYS}))
+    except (ValueError, TypeError) as e:
+        fail(str(e))
+
+
 # settings a resumed run may change, though it then no longer continues the run exactly
 SCHEDULE_KEYS = ('max_iters', 'learning_rate', 'tokens_per_param', 'warmup_iters', 'warmup_frac', 'min_lr_frac',
                  'weight_decay', 'decay_on', 'beta1', 'beta2', 'grad_clip', 'batch_size', 'gradient_accumulation_steps',
                  'seed', 'dataset')
-checkpoint = None
 if init_from == 'resume':
-    if not os.path.exists(ckpt_path):
-        fail(f"init_from='resume' but {ckpt_path} does not exist: start with --init_from=scratch")
-    try:
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
-    except Exception as e:
-        fail(f"cannot read checkpoint {ckpt_path} (truncated or corrupt: {type(e).__name__}): "
-             f"restore a good copy, or start fresh with --init_from=scratch in another --out_dir")
     model_args = checkpoint['model_args']
-    for k in keys_set:  # the model is the checkpoint's: a different setting would be silently ignored
-        if k in model_args and config[k] is not None and config[k] != model_args[k]:
-            fail(f"{k}={config[k]!r} differs from the checkpoint's {model_args[k]!r}: a resumed run keeps "
-                 f"the checkpoint's model; drop --{k}, or start a new run in another --out_dir")
+    _effective = model_args_of_config()  # every model key, also one set to its default by a config file
+    for k in MODEL_KEYS:
+        if k in model_args and _effective[k] != model_args[k]:
+            fail(f"{k}={_effective[k]!r} differs from the checkpoint's {model_args[k]!r}: a resumed run keeps "
+                 f"the checkpoint's model; drop {k} from the command line (or config file), or start a new run "
+                 f"in another --out_dir")
     for k in keys_set:  # allowed, but the run no longer continues exactly
         old = (checkpoint.get('config') or {}).get(k, config[k])
         if k in SCHEDULE_KEYS and config[k] != old:
@@ -324,31 +436,30 @@ elif init_from == 'scratch':
     if os.path.exists(ckpt_path):  # never overwrite a run, or mix two runs' metrics.jsonl
         fail(f"{out_dir} already holds a run ({ckpt_path}): continue or evaluate it with --init_from=resume, "
              f"or start anew in another --out_dir")
-    if residual not in RESIDUALS:
-        fail(f"unknown residual={residual!r}; known: {', '.join(RESIDUALS)}")
-    try:
-        model_args = asdict(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                                      n_kv_head=n_kv_head, n_embd=n_embd, ffn_hidden=ffn_hidden, residual=residual,
-                                      hc_streams=hc_streams, hc_out_init_scale=hc_out_init_scale,
-                                      hc_readout=hc_readout, mhc_sinkhorn_iters=mhc_sinkhorn_iters,
-                                      mhc_init=mhc_init, attnres_blocks=attnres_blocks, attnres_eps=attnres_eps))
-    except ValueError as e:
-        fail(str(e))
+    model_args = model_args_of_config()
 else:
     fail(f"init_from={init_from!r}: use 'scratch' or 'resume'")
 if model_args['vocab_size'] < meta.get('vocab_size', 0):  # token ids past the embedding: an IndexError mid-run
     fail(f"the model's vocab_size={model_args['vocab_size']} is smaller than the data's ({meta['vocab_size']}, "
          f"{meta_path}): use the data the model was made for, or a vocab_size >= {meta['vocab_size']}")
-_max_id = int(np.memmap(val_path, dtype=np.uint16, mode='r').max())  # the held-out split is small: a cheap check
-if _max_id >= model_args['vocab_size']:  # (without meta.json, the only one)
-    fail(f"{val_path} holds token id {_max_id}, past the model's vocab_size={model_args['vocab_size']}: "
-         f"use the data the model was made for, or a larger vocab_size")
+# token ids past the embedding: an IndexError mid-run (a device assert on a GPU). The held-out
+# split is small: always checked; train.bin only without meta.json (one pass, in chunks)
+for _path in (val_path,) + (() if 'vocab_size' in meta else (train_path,)):
+    _data = open_tokens(_path)
+    _max_id = max(int(_data[i:i + 2**26].max()) for i in range(0, len(_data), 2**26))
+    if _max_id >= model_args['vocab_size']:
+        fail(f"{_path} holds token id {_max_id}, past the model's vocab_size={model_args['vocab_size']}: "
+             f"use the data the model was made for, or a larger vocab_size")
 try:
     model = GPT(GPTConfig.from_dict(model_args))  # from_dict: older checkpoints keep their readout
 except ValueError as e:
     fail(str(e))
 if checkpoint is not None:
-    model.load_state_dict(checkpoint['model'])
+    try:
+        model.load_state_dict(checkpoint['model'])
+    except RuntimeError as e:  # weights of another scheme or shape than model_args says
+        fail(f"the weights in {ckpt_path} do not fit its model_args (residual={model_args['residual']!r}, "
+             f"n_layer={model_args['n_layer']}): {str(e).splitlines()[0][:200]}; restore a good copy")
 model.to(device)
 raw_model = model  # the uncompiled, unwrapped module: what checkpoints and probes see
 n_params = model.num_params()
@@ -422,8 +533,12 @@ if checkpoint is not None:
         set_optimizer_state_dict(raw_model, optimizer, checkpoint['optimizer'],
                                  options=StateDictOptions(full_state_dict=True))
     else:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+        try:
+            optimizer.load_state_dict(checkpoint['optimizer'])
+        except (ValueError, KeyError, RuntimeError) as e:
+            fail(f"the optimizer state in {ckpt_path} does not fit the model ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:150]}): restore a good copy")
+    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint.get('best_val_loss', float('inf'))
     if checkpoint.get('scaler'):
         scaler.load_state_dict(checkpoint['scaler'])
     train_loader.load_state_dict(checkpoint['loader'])
@@ -431,11 +546,14 @@ if checkpoint is not None:
     if device_type == 'cuda' and 'cuda' in checkpoint['rng']:
         torch.cuda.set_rng_state(checkpoint['rng']['cuda'])
     print0(f"resumed from {ckpt_path} at iteration {iter_num}")
-    if iter_num >= max_iters and not eval_only:
+    # a run killed after its final checkpoint but before summary.json: the resume writes it
+    _finished = os.path.exists(os.path.join(out_dir, 'summary.json'))
+    if (iter_num > max_iters or (iter_num == max_iters and _finished)) and not eval_only:
         fail(f"the checkpoint is at iteration {iter_num}, max_iters={max_iters}: "
              + ("the run is finished" if iter_num == max_iters else "max_iters is behind it")
              + "; raise --max_iters to train on")
     evaluated = checkpoint.get('evaluated', True)
+    resumed_losses = checkpoint.get('val_loss'), checkpoint.get('train_loss')
     checkpoint = None  # free memory
 # no second evaluation of a state the checkpoint's run already evaluated
 resumed_at = iter_num if init_from == 'resume' and evaluated else None
@@ -472,7 +590,7 @@ def estimate_val_loss(progress=False):
     for i in tqdm(range(math.ceil(n / world_size)), desc='evaluating', unit='batch', leave=False, delay=2,
                   disable=not (progress and master)):  # every rank runs as many forwards (FSDP gathers in each)
         k = i * world_size + rank
-        loader.step = k if k < n else 0       # past the end: a forward that counts for nothing
+        loader.pos = (k if k < n else 0) * batch_size  # past the end: a forward that counts for nothing
         x, y = loader.next_batch()
         with autocast:
             _, loss = model(x, y)
@@ -495,12 +613,76 @@ def full_state(what):
     return raw_model.state_dict() if what == 'model' else optimizer.state_dict()
 
 
-def save_checkpoint(path, evaluated=True):
+def fsync_replace(tmp, path):
+    """os.replace(tmp, path) once tmp's bytes are on the disk (fsync), then fsync the
+    directory so that the rename itself survives a power loss."""
+    with open(tmp, 'rb+') as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_failed(path, e, need_bytes=None):
+    """One line for a write that failed (disk full, quota, I/O error), naming the disk and
+    the space; the last complete files are kept."""
+    d = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(d).free
+    need = f", about {need_bytes / 1e6:,.1f} MB needed" if need_bytes else ''
+    full = getattr(e, 'errno', None) in (errno.ENOSPC, errno.EDQUOT) or 'No space left' in str(e) \
+        or (need_bytes is not None and free < need_bytes)  # torch's C++ writer gives no errno
+    why = 'the disk is full' if full else f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    kept = f"; {ckpt_path} (the last complete checkpoint) is kept" if os.path.exists(ckpt_path) else ''
+    fail(f"cannot write {path}: {why} ({d}: {free / 1e6:,.1f} MB free{need}): free space, or move "
+         f"--out_dir to another disk and resume{kept}")
+
+
+def atomic_write(path, write):
+    """write(tmp) writes the file at the path tmp, a temp name unique to this process beside
+    path; then fsync and rename: a crash or a full disk mid-write never leaves a truncated
+    file at path, nor a temp file behind. (torch.save is given the path, not a Python file
+    object: its C++ writer then runs no Python, so a Ctrl-C lands after the write.)"""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        write(tmp)
+        fsync_replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_bytes(tmp, data):
+    with open(tmp, 'wb') as f:
+        f.write(data)
+
+
+def _nbytes(obj):
+    # bytes of the tensors in a (nested) state dict: the size of its checkpoint, roughly
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def save_checkpoint(path, evaluated=True, best=False):
     """Everything needed to continue exactly: weights (of the uncompiled module, so no
     `_orig_mod.` prefixes), optimizer, model and run config, iteration, data-loader
-    position and RNG states, and whether the state at this iteration has been evaluated
-    (a resume then skips that evaluation). Written to a temp file and renamed: a crash
-    mid-write never leaves a truncated checkpoint behind."""
+    position and RNG states, whether the state at this iteration has been evaluated
+    (a resume then skips that evaluation) and its losses. Written atomically (atomic_write):
+    a crash or a full disk mid-write leaves the previous checkpoint whole. best: also keep
+    it as ckpt_best.pt (a hard link: no second copy on disk)."""
     model_state, opt_state = full_state('model'), full_state('optimizer')  # collective under FSDP
     if not master:
         return
@@ -510,11 +692,23 @@ def save_checkpoint(path, evaluated=True):
     ckpt = {'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config),
             'config': config, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
             'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated,
+            'val_loss': val_loss, 'train_loss': lossf,
             'tokenizer': meta.get('tokenizer')}  # sample.py decodes with it (None: data without meta.json)
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    tmp = path + '.tmp'
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
+    try:
+        atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
+        if best:
+            best_path = os.path.join(os.path.dirname(path), 'ckpt_best.pt')
+            tmp = f"{best_path}.{os.getpid()}.tmp"
+            try:
+                os.link(path, tmp)  # the same bytes under a second name; replacing ckpt.pt later keeps them
+                os.replace(tmp, best_path)
+            except OSError:  # no hard links here: a copy
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                atomic_write(best_path, lambda t: shutil.copyfile(path, t))
+    except (OSError, RuntimeError) as e:  # torch reports a failed write as a RuntimeError
+        write_failed(path, e, _nbytes(ckpt))
 
 
 def block_stats(x):
@@ -546,19 +740,16 @@ def _row_iter(line):
 
 
 metrics_file = None
-if master and not eval_only:
-    os.makedirs(out_dir, exist_ok=True)
-    metrics_path = os.path.join(out_dir, 'metrics.jsonl')
-    rows = []
-    if init_from == 'resume' and os.path.exists(metrics_path):
-        # rows logged after the checkpoint belong to iterations this run repeats: drop them,
-        # so each iteration has one row (written to a temp file and renamed: nothing lost on a crash)
-        with open(metrics_path) as f:
-            rows = [line for line in f if (it := _row_iter(line)) is not None and it <= iter_num]
-    with open(metrics_path + '.tmp', 'w') as f:
-        f.writelines(rows)
-    os.replace(metrics_path + '.tmp', metrics_path)
-    metrics_file = open(metrics_path, 'a')
+metrics_path = os.path.join(out_dir, 'metrics.jsonl')
+if master and not eval_only and init_from == 'resume' and os.path.exists(metrics_path):
+    # rows logged after the checkpoint belong to iterations this run repeats: drop them,
+    # so each iteration has one row (written atomically: nothing lost on a crash)
+    with open(metrics_path) as f:
+        rows = [line for line in f if (it := _row_iter(line)) is not None and it <= iter_num]
+    try:
+        atomic_write(metrics_path, lambda tmp: write_bytes(tmp, ''.join(rows).encode()))
+    except OSError as e:
+        write_failed(metrics_path, e)
 wandb_run = None
 if wandb_log and master and not eval_only:
     try:
@@ -587,9 +778,17 @@ def wandb_row(row):
 
 
 def log_metrics(row):
-    if metrics_file is not None:
+    """Appends one row to metrics.jsonl (created with the first row: a failed start leaves none)."""
+    global metrics_file
+    if not master or eval_only:
+        return
+    try:
+        if metrics_file is None:
+            metrics_file = open(metrics_path, 'a')
         metrics_file.write(json.dumps(row) + '\n')
         metrics_file.flush()
+    except OSError as e:
+        write_failed(metrics_path, e)
     if wandb_run is not None:
         wandb_run.log(wandb_row(row), step=row['iter'])
 
@@ -621,10 +820,23 @@ def on_interrupt(signum, frame):
     sys.exit(130)
 
 
+def stop_nonfinite(what):
+    """A non-finite loss or gradient: keep the state for a diagnosis in ckpt_nonfinite.pt,
+    never in ckpt.pt (the last good checkpoint stays), and stop with one line."""
+    save_checkpoint(os.path.join(out_dir, 'ckpt_nonfinite.pt'))
+    fail(f"{what} at iteration {iter_num}; state saved to {out_dir}/ckpt_nonfinite.pt. Lower --learning_rate "
+         f"(now {learning_rate:g}) and "
+         + (f"resume from the last good {ckpt_path} with --init_from=resume" if os.path.exists(ckpt_path)
+            else "start again (no checkpoint was written before this)"))
+
+
+SPIKE_RATIO = 1.5  # warn when the validation loss exceeds this x its best so far (a divergence)
 signal.signal(signal.SIGINT, on_interrupt)
 model.train()
 t0 = time.time()
 val_loss = lossf = None
+if init_from == 'resume':
+    val_loss, lossf = resumed_losses
 recent_dt = deque(maxlen=20)  # seconds of the last iterations: the ETA is their mean (one step alone jumps)
 first_iter, n_evals = iter_num, 0
 while True:
@@ -636,11 +848,17 @@ while True:
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != resumed_at:
         val_loss = estimate_val_loss(progress=n_evals == 0)  # the first one may be slow: show its progress
         n_evals += 1
-        best_val_loss = min(best_val_loss, val_loss)
         print0(f"iter {iter_num}: val loss {val_loss:.4f}")
+        if not math.isfinite(val_loss):  # non-finite weights: never over the last good checkpoint
+            stop_nonfinite(f"non-finite validation loss {val_loss}")
+        if val_loss > SPIKE_RATIO * best_val_loss:
+            print0(f"warning: val loss {val_loss:.4f} is {val_loss / best_val_loss:.1f}x its best "
+                   f"({best_val_loss:.4f}): the run may be diverging; ckpt_best.pt keeps the best state")
+        is_best = val_loss < best_val_loss
+        best_val_loss = min(best_val_loss, val_loss)
         log_metrics({'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'val_loss': val_loss, 'lr': lr})
         if iter_num > 0:
-            save_checkpoint(ckpt_path)
+            save_checkpoint(ckpt_path, best=is_best)
         t0 = time.time()  # evaluation time is not training time
     if iter_num == max_iters:
         break
@@ -660,22 +878,21 @@ while True:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
     if hasattr(grad_norm, 'full_tensor'):  # a DTensor under FSDP
         grad_norm = grad_norm.full_tensor()
+    if ddp:
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+    # checked before the update (one CPU-GPU sync per optimizer step): a NaN/Inf gradient
+    # with a finite loss would otherwise write NaN weights. Under fp16 the scaler skips
+    # such a step itself (an overflow), so only the loss is checked there.
+    lossf, gnorm = torch.stack([loss_sum.float(), grad_norm.float()]).tolist()
+    if not math.isfinite(lossf):
+        stop_nonfinite(f"non-finite training loss {lossf}")
+    if not math.isfinite(gnorm) and dtype != 'float16':
+        stop_nonfinite(f"non-finite gradient norm {gnorm} (training loss {lossf:.4f}); the update was not applied")
     log_step = (iter_num + 1) % log_interval == 0 or iter_num + 1 == max_iters
     stats = block_stats(x) if log_step and master else {}
     scaler.step(optimizer)  # skipped by the fp16 scaler if a gradient overflowed
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-
-    if ddp:
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-    lossf = loss_sum.item()  # a CPU-GPU sync point, once per optimizer step
-    if not math.isfinite(lossf):
-        iter_num += 1
-        save_checkpoint(os.path.join(out_dir, 'ckpt_nonfinite.pt'))
-        fail(f"non-finite training loss {lossf} at iteration {iter_num}; state saved to "
-             f"{out_dir}/ckpt_nonfinite.pt. Lower --learning_rate (now {learning_rate:g}) and "
-             + (f"resume from the last good {ckpt_path} with --init_from=resume" if os.path.exists(ckpt_path)
-                else "start again (no checkpoint was written before this)"))
     iter_num += 1
     t1 = time.time()
     dt, t0 = t1 - t0, t1
@@ -685,7 +902,7 @@ while True:
         tokens_per_s = tokens_per_iter / dt
         mfu = estimate_mfu(raw_model, tokens_per_s, block_size, device, world_size)
         row = {'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'train_loss': lossf, 'lr': lr,
-               'grad_norm': grad_norm.item(), 'dt_ms': dt * 1000, 'tokens_per_s': tokens_per_s, 'mfu': mfu, **stats}
+               'grad_norm': gnorm, 'dt_ms': dt * 1000, 'tokens_per_s': tokens_per_s, 'mfu': mfu, **stats}
         eta = (sum(recent_dt) / len(recent_dt) if recent_dt else dt) * (max_iters - iter_num)
         depth = ''
         if stats:
@@ -701,13 +918,21 @@ while True:
         break
 
 if iter_num == max_iters and master:
+    best_path = os.path.join(out_dir, 'ckpt_best.pt')
     summary = {'finished': True, 'iter': iter_num, 'max_iters': max_iters, 'val_loss': val_loss,
                'best_val_loss': best_val_loss, 'train_loss': lossf,
+               'best_ckpt': best_path if os.path.exists(best_path) else None,
                'n_params': n_params, 'tokens': iter_num * tokens_per_iter, 'config': config,
                'model_args': asdict(raw_model.config)}
-    with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
-        json.dump(summary, f, indent=1)
-    print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens")
+    _summary_path = os.path.join(out_dir, 'summary.json')
+    try:
+        atomic_write(_summary_path, lambda tmp: write_bytes(tmp, json.dumps(summary, indent=1).encode()))
+    except OSError as e:
+        write_failed(_summary_path, e)
+    spiked = val_loss is not None and val_loss > SPIKE_RATIO * best_val_loss
+    print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens"
+           + (f" (warning: {val_loss / best_val_loss:.1f}x the best {best_val_loss:.4f}; the best state is "
+              f"in ckpt_best.pt)" if spiked else ''))
 if wandb_run is not None:
     wandb_run.finish()
 shutdown()

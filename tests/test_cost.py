@@ -373,3 +373,21 @@ def test_plot_gives_each_scheme_one_colour_in_every_panel(tmp_path, monkeypatch)
         for line in ax.get_lines():  # the loss panel lacks sandwich: its own colour cycle would shift hc
             assert colour.setdefault(line.get_label(), line.get_color()) == line.get_color(), line.get_label()
     assert len(colour) == 3 and len(set(colour.values())) == 3
+
+
+def test_plot_has_no_empty_panel_and_shows_the_timing_spread(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+    figs = []
+    monkeypatch.setattr(plt, 'close', figs.append)
+    rows = [dict(scheme='preln', ratio=r, L=L, d=d, flops=1e12 * L, kv_bytes=1e6 * L, latency_s=2.0,
+                 times_s=[1.0, 2.0, 4.0], hours_per_1B=10.0, peak_mem_bytes=None)
+            for r, L, d in ((64, 4, 256), (16, 8, 128))]
+    cost.plot(rows, tmp_path / 'c.png', {('preln', 99, 1): 3.0})  # losses of no plotted shape, no memory
+    axes = [ax for ax in figs[0].axes if ax.get_visible()]
+    assert [ax.get_ylabel() for ax in axes] == ['prefill TFLOPs / sequence', 'KV cache (MB)',
+                                                'device-hours / 1B prefill tokens']
+    hours = axes[2]
+    (bars,) = [c for c in hours.collections]  # the min..max bars of the 3 passes: 5 .. 20 hours
+    segs = bars.get_segments()
+    assert [tuple(seg[:, 1]) for seg in segs] == [(5.0, 20.0), (5.0, 20.0)]
+    assert '3 timed passes' in hours.get_title() and 'noisy' in hours.get_title()

@@ -336,3 +336,53 @@ def test_real_c4_sample(tmp_path):
     assert sorted(val) == sorted(t for t in texts if doc_hash(t) < 0.005)
     train_ids = np.fromfile(out / 'train.bin', dtype=np.uint16)
     assert train_ids.max() < tok.n_vocab and (train_ids == tok.eot).sum() == meta['train_docs']
+
+
+def test_token_ids_past_uint16_are_an_error_not_a_wrap(tmp_path, monkeypatch):
+    """An id >= 2^16 (a larger tokenizer) raises ValueError also under `python -O`, where an
+    assert would vanish and astype(np.uint16) would wrap 70000 to 4464."""
+    byte = get_tokenizer('byte')
+
+    class Wide(type(byte)):
+        name, n_vocab, vocab_size = 'wide', 257, 257
+
+        def encode_batch(self, texts, num_threads=8):
+            return [[70000] + ids for ids in byte.encode_batch(texts, num_threads)]
+    monkeypatch.setattr(prepare, 'get_tokenizer', lambda name: Wide())
+    src = write_jsonl(tmp_path / 'a.jsonl', [{'text': t} for t in DOCS])
+    out = tmp_path / 'out'
+    with pytest.raises(ValueError, match='token id 70000 .* does not fit in uint16'):
+        prepare.main(['--input', src, '--out_dir', str(out), '--num_proc', '1', '--tokenizer', 'byte'])
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize('sig', ['SIGTERM', 'SIGINT'])
+def test_killed_mid_run_removes_its_temp_files(tmp_path, sig):
+    """The process signals itself while tokenizing (after the temp files exist): it exits with
+    one line, and out_dir holds what it held before (an old train.bin), no temporaries."""
+    src = write_jsonl(tmp_path / 'a.jsonl', [{'text': t} for t in DOCS])
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'train.bin').write_bytes(b'old')
+    code = f"""
+import os, runpy, signal, sys
+sys.path.insert(0, {str(ROOT)!r})
+import tokenizer
+_get = tokenizer.get_tokenizer
+def _get_and_die(name):
+    tok = _get(name)
+    enc = tok.encode_batch
+    def encode_batch(texts, num_threads=8):
+        assert any(n.endswith('.tmp') for n in os.listdir({str(out)!r}))
+        os.kill(os.getpid(), signal.{sig})
+        return enc(texts, num_threads)
+    tok.encode_batch = encode_batch
+    return tok
+tokenizer.get_tokenizer = _get_and_die
+sys.argv = ['prepare.py', '--input', {str(src)!r}, '--out_dir', {str(out)!r}, '--num_proc', '1', '--tokenizer', 'byte']
+runpy.run_path({str(PREPARE)!r}, run_name='__main__')
+"""
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and 'temporary files removed' in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ['train.bin'] and (out / 'train.bin').read_bytes() == b'old'

@@ -226,13 +226,17 @@ def test_prefix_reuse_gives_the_same_scores_as_naive_reruns(residual):
 
 
 def test_permutation_loss_is_the_token_weighted_cross_entropy():
+    """L and L_swap against a direct forward each (fp32 means: rel 1e-5); P against Eq. 4 from
+    those two numbers (exact arithmetic on them). P is a difference of two nearly equal losses,
+    so it is checked through its parts, not against a second noisy difference."""
     model = tiny('preln')
     w = windows(n=3)
     r = probe.permutation_scores(model, w, batch_size=2, pairs=[(1, 2)])
     _, loss = model(w[:, :-1], targets=w[:, 1:])
     assert r['loss'] == pytest.approx(loss.item(), rel=1e-5)
     _, loss_swap = model(w[:, :-1], targets=w[:, 1:], order=[0, 2, 1, 3])
-    assert r['P'][1, 2] == pytest.approx(abs(loss_swap.item() - loss.item()) / loss.item(), rel=1e-3)
+    assert r['loss_swap'][1, 2] == pytest.approx(loss_swap.item(), rel=1e-5)
+    assert r['P'][1, 2] == abs(r['loss_swap'][1, 2] - r['loss']) / r['loss']
     assert np.isfinite(r['P']).sum() == 1
     with pytest.raises(ValueError, match='0 <= i < j'):
         probe.permutation_scores(model, w, pairs=[(2, 1)])
@@ -363,7 +367,8 @@ def test_block_attnres_path_weights_spread_a_block_weight_over_its_sublayers():
     assert n == 2
     np.testing.assert_allclose(W[3, :4], [0.2, 0.5, 0.5, 0.3])   # block 0 = sublayers 0, 1; partial = 2
     np.testing.assert_allclose(W[4], [0.1, 0.1, 0.1, 0.8, 0.8])   # readout: emb, block 0, block 1
-    np.testing.assert_allclose(W[2, :3], [0.6, 0.4, 0.4]) and np.testing.assert_allclose(W[0, 0], 1.0)
+    np.testing.assert_allclose(W[2, :3], [0.6, 0.4, 0.4])
+    assert W[0, 0] == 1.0 and np.isnan(W[0, 1:]).all()
     with pytest.raises(ValueError, match='sources'):
         probe.attnres_path_weights([entry(3, [0.5, 0.5])], n_layer=2, block_size=2)
 
@@ -420,6 +425,12 @@ def test_prune_scan_scores_the_arc_fixture_and_a_dead_block_changes_nothing(tmp_
         assert (got['acc'], got['acc_norm']) == pytest.approx(expected_arc(model, enc, items, skip={b}))
         assert got['delta_acc_norm'] == pytest.approx(got['acc_norm'] - r['baseline']['acc_norm'])
     assert r['blocks'][1]['delta_acc'] == 0 and r['blocks'][1]['delta_acc_norm'] == 0
+    # the error bar: standard error of the paired per-question difference, 0 for the dead block
+    assert r['blocks'][1]['se_delta_acc_norm'] == 0
+    base = [expected_arc(model, enc, [it])[1] for it in items]
+    for b in (0, 2):
+        d = np.array([expected_arc(model, enc, [it], skip={b})[1] for it in items]) - base
+        assert r['blocks'][b]['se_delta_acc_norm'] == pytest.approx(d.std(ddof=1) / math.sqrt(len(d)))
 
 # -----------------------------------------------------------------------------
 # data, checkpoints and the command line
@@ -590,3 +601,142 @@ def test_figures_for_block_weights_and_domain_nll_from_results(tmp_path):
     paths = probe_plots.plot_all(results, tmp_path)
     assert sorted(p.name for p in paths) == ['block_weights.png', 'domain_nll.png']
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+# -----------------------------------------------------------------------------
+# the probe formulas against hand-computed cases (each catches one plausible slip)
+
+def test_permutation_score_is_the_absolute_change_also_when_a_swap_lowers_the_loss():
+    model = randomize_scheme(tiny('preln', n_layer=4), seed=3)
+    r = probe.permutation_scores(model, windows(n=4), batch_size=2)
+    pairs = [(i, j) for i in range(4) for j in range(i + 1, 4)]
+    lower = [p for p in pairs if r['loss_swap'][p] < r['loss']]
+    assert lower and len(lower) < len(pairs)  # both signs occur: the absolute value matters
+    for p in pairs:
+        assert r['P'][p] == abs(r['loss_swap'][p] - r['loss']) / r['loss'] and r['P'][p] > 0
+
+
+def test_logit_lens_kl_is_kl_of_the_final_distribution_from_the_lens():
+    """KL(p_final || p_l) = sum p_final (log p_final - log p_l), not the reverse KL(p_l || p_final)."""
+    model = randomize_scheme(tiny('preln', n_layer=3), seed=2)
+    with torch.no_grad():  # peaked distributions: KL is large, and its two directions differ
+        model.lm_head.weight.mul_(100)
+    w = windows(n=2)
+    r = probe.logit_lens(model, w, batch_size=2)
+    rec = []
+    with torch.no_grad():
+        h = model.hidden(w, record=rec)
+        logp_f = model.head(h)[:, :-1].float().log_softmax(-1)
+        for l, (_, lens) in enumerate(rec[:-1]):
+            logp = model.head(lens)[:, :-1].float().log_softmax(-1)
+            forward = (logp_f.exp() * (logp_f - logp)).sum(-1).mean().item()
+            reverse = (logp.exp() * (logp - logp_f)).sum(-1).mean().item()
+            assert abs(forward - reverse) > 0.05 * forward  # the two directions differ here
+            assert r['kl'][l] == pytest.approx(forward, rel=1e-3), l
+
+
+def test_effective_rank_uses_singular_values_not_their_squares():
+    # sigma = (3, 1): p = (3/4, 1/4); from sigma^2 it would be (9/10, 1/10)
+    p = np.array([0.75, 0.25])
+    assert probe.effective_rank(torch.diag(torch.tensor([3.0, 1.0]))).item() == pytest.approx(
+        math.exp(-(p * np.log(p)).sum()), rel=1e-12)
+    R = torch.linalg.qr(torch.randn(4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64))[0]
+    M = R @ torch.diag(torch.tensor([4.0, 2.0, 1.0, 1.0], dtype=torch.float64)) @ R.T  # rotation-invariant
+    p = np.array([4, 2, 1, 1]) / 8
+    assert probe.effective_rank(M).item() == pytest.approx(math.exp(-(p * np.log(p)).sum()), rel=1e-9)
+
+
+def test_mean_abs_cosine_is_over_columns():
+    # columns (1, 1) and (0, 1e-3): |cos| = 1/sqrt(2); rows (1, 0) and (1, 1e-3): |cos| ~ 1
+    M = torch.tensor([[1.0, 0.0], [1.0, 1e-3]])
+    assert probe.mean_abs_cosine(M).item() == pytest.approx(1 / math.sqrt(2), rel=1e-9)
+    M = torch.tensor([[1.0, -2.0, 0.0], [3.0, 4.0, 0.0], [0.0, 0.0, 5.0]])
+    cols = M.double() / M.double().norm(dim=0)
+    expected = np.mean([abs((cols[:, a] @ cols[:, b]).item()) for a, b in ((0, 1), (0, 2), (1, 2))])
+    assert probe.mean_abs_cosine(M).item() == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize('L,start', [(6, 2), (10, 3), (9, 3), (8, 2), (32, 8), (3, 1)])
+def test_late_pairs_start_at_the_ceiling_of_a_quarter(L, start):
+    pairs = probe.late_pairs(L)
+    assert min(s for s, _ in pairs) == start and len(pairs) == (L - start) * (L - start - 1) // 2
+    C = np.zeros((L, L))
+    assert probe.late_pair_ratio(C)['start'] == start and probe.late_pair_ratio(C)['n_pairs'] == len(pairs)
+
+
+def test_bootstrap_interval_is_95_percent_by_default():
+    """For 400 standard-normal units the 95% percentile interval of the mean is about
+    +-1.96 / sqrt(400) = +-0.098 (a 90% one: +-0.082)."""
+    x = np.random.default_rng(1).normal(size=400)
+    mean, lo, hi = probe.bootstrap_ci(x, n_boot=4000, seed=0)
+    half = (hi - lo) / 2 / (x.std() / math.sqrt(len(x)))
+    assert half == pytest.approx(1.96, rel=0.05)
+    mean90, lo90, hi90 = probe.bootstrap_ci(x, n_boot=4000, seed=0, level=0.90)
+    assert (hi90 - lo90) / 2 / (x.std() / math.sqrt(len(x))) == pytest.approx(1.645, rel=0.05)
+
+
+def test_held_out_windows_follow_the_documented_draw(tmp_path):
+    """probes.md §0: numpy default_rng(seed), uniform start in [0, n - T], contiguous tokens
+    (one file). Token k of the file has id k, so a window names its start."""
+    n, T = 5000, 16
+    val = tmp_path / 'val.bin'
+    np.arange(n, dtype=np.uint16).tofile(val)
+    w = probe.sample_windows(val, 7, T, seed=42)
+    starts = np.random.default_rng(42).integers(0, n - T + 1, size=7)
+    assert w[:, 0].tolist() == starts.tolist()
+    assert torch.equal(w, torch.from_numpy(starts[:, None] + np.arange(T)).long())
+
+
+def test_a_later_probe_run_keeps_the_metrics_it_does_not_recompute(tmp_path, capsys):
+    val = write_val(tmp_path / 'data' / 'val.bin', vocab=257)
+    ckpt = make_run(tmp_path, 'attnres')
+    common = [f'--val_bin={val}', '--tokenizer=byte', '--n_windows=2', '--seq_len=16', '--device=cpu']
+    probe.main([f'--ckpt={ckpt}', '--metrics=angular,causal'] + common)
+    first = json.loads((ckpt.parent / 'probe' / 'probe.json').read_text())
+    probe.main([f'--ckpt={ckpt}', '--metrics=permutation'] + common)
+    merged = json.loads((ckpt.parent / 'probe' / 'probe.json').read_text())
+    assert merged['angular'] == first['angular'] and merged['causal'] == first['causal'] and 'permutation' in merged
+    assert set(merged['settings']) == {'angular', 'causal', 'permutation'}
+    assert 'kept angular, causal' in capsys.readouterr().out
+    assert (ckpt.parent / 'probe' / 'angular.png').is_file()  # figures of the kept metrics too
+    # another checkpoint at the same path (a later iteration): the old results are moved aside
+    torch.save(dict(torch.load(ckpt, weights_only=True), iter_num=9), ckpt)
+    probe.main([f'--ckpt={ckpt}', '--metrics=angular'] + common)
+    now = json.loads((ckpt.parent / 'probe' / 'probe.json').read_text())
+    assert now['iter_num'] == 9 and 'causal' not in now
+    assert json.loads((ckpt.parent / 'probe' / 'probe_iter7.json').read_text()) == merged
+
+
+def test_compare_writes_only_under_its_out_dir(tmp_path):
+    val = write_val(tmp_path / 'data' / 'val.bin', vocab=257)
+    ckpts = [make_run(tmp_path / 'runs', r) for r in ('preln', 'attnres')]
+    before = sorted(p for p in (tmp_path / 'runs').rglob('*'))
+    probe.main(['--compare', *map(str, ckpts), f'--out_dir={tmp_path / "cmp"}', f'--val_bin={val}',
+                '--tokenizer=byte', '--n_windows=2', '--seq_len=16', '--device=cpu', '--metrics=angular'])
+    assert sorted(p for p in (tmp_path / 'runs').rglob('*')) == before  # the runs' own probe/ untouched
+    for label in ('preln', 'attnres'):
+        assert json.loads((tmp_path / 'cmp' / label / 'probe.json').read_text())['label'] == label
+    assert (tmp_path / 'cmp' / 'compare.json').is_file() and (tmp_path / 'cmp' / 'angular.png').is_file()
+
+
+def test_held_out_data_or_tokenizer_of_another_tokenizer_is_refused(tmp_path, capsys):
+    """A GPT-2 model given byte-level data (ids < 257 fit its embedding) or --tokenizer=byte."""
+    model = tiny('preln', n_layer=2, vocab_size=50280)
+    own = tmp_path / 'gpt2data'
+    own.mkdir()
+    (own / 'meta.json').write_text(json.dumps({'tokenizer': 'gpt2', 'vocab_size': 50280}))
+    ckpt = save_ckpt(tmp_path / 'run' / 'ckpt.pt', model)
+    torch.save(dict(torch.load(ckpt, weights_only=True), config={'data_dir': str(own)}), ckpt)
+    byte = write_val(tmp_path / 'bytedata' / 'val.bin', vocab=257)
+    (byte.parent / 'meta.json').write_text(json.dumps({'tokenizer': 'byte', 'vocab_size': 257}))
+    with pytest.raises(SystemExit):
+        probe.main([f'--ckpt={ckpt}', f'--val_bin={byte}', '--metrics=angular', '--device=cpu'])
+    assert "holds 'byte' tokens" in capsys.readouterr().err
+    write_val(own / 'val.bin', vocab=257)
+    with pytest.raises(SystemExit):
+        probe.main([f'--ckpt={ckpt}', '--tokenizer=byte', '--metrics=angular', '--device=cpu'])
+    assert "--tokenizer=byte but the model's data is 'gpt2'" in capsys.readouterr().err
+    (own / 'meta.json').unlink()  # nothing recorded: a byte meta.json still disagrees with 50280 rows
+    with pytest.raises(SystemExit):
+        probe.main([f'--ckpt={ckpt}', f'--val_bin={byte}', '--metrics=angular', '--device=cpu'])
+    assert '257-id vocabulary' in capsys.readouterr().err

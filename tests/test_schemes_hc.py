@@ -68,11 +68,22 @@ def test_extra_parameters_match_closed_form(residual, L, d, m):
 
 
 def test_closed_forms_at_m4():
-    # the simplified forms quoted in the cost model: 12Ld + 52L, 192Ld + 54L, 4Ld
+    # the simplified forms quoted in the cost model (12Ld + 52L, 192Ld + 54L, 4Ld) against the
+    # parameters the models really add at m = 4 (small L, d), and against cost.param_count at
+    # the study's sizes (a config only: no model is built)
+    import cost
+    forms = {'hc': lambda L, d: 12 * L * d + 52 * L, 'mhc': lambda L, d: 192 * L * d + 54 * L,
+             'blockattnres': lambda L, d: 4 * L * d}
+    for L, d in [(1, 32), (3, 48)]:
+        base = make('preln', n_layer=L, n_embd=d).num_params()
+        for residual, form in forms.items():
+            model = make(residual, n_layer=L, n_embd=d, hc_streams=4, attnres_blocks=2 * L)
+            assert model.num_params() - base == form(L, d), (residual, L, d)
     for L, d in [(16, 1216), (32, 896)]:
-        assert delta_params('hc', L, d, 4) == 12 * L * d + 52 * L
-        assert delta_params('mhc', L, d, 4) == 192 * L * d + 54 * L
-        assert delta_params('blockattnres', L, d, 4) == 4 * L * d
+        cfg = lambda r: GPTConfig(vocab_size=V, block_size=32, n_layer=L, n_head=16, n_embd=d, residual=r,
+                                  hc_streams=4, attnres_blocks=8)
+        for residual, form in forms.items():
+            assert cost.param_count(cfg(residual)) - cost.param_count(cfg('preln')) == form(L, d), residual
 
 
 # -----------------------------------------------------------------------------

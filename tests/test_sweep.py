@@ -7,6 +7,7 @@ collect + plot from fake summary.json / metrics.jsonl files.
 """
 
 import json
+import math
 import struct
 import sys
 from pathlib import Path
@@ -245,3 +246,64 @@ def test_plot_only_cli(repo, capsys):
     assert sweep.main(['family=mini', 'plot_only=True']) == 0
     assert (repo / 'out' / 'mini' / 'loss_vs_ratio.png').exists()
     assert '1 finished, 0 unfinished, 8 missing' in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# seeds
+
+
+def test_seeds_train_seed_by_seed_into_their_own_out_dirs(repo, monkeypatch):
+    rec = Recorder(repo)
+    _write_partial(repo, 'out/mini/hc_L2_seed1', [2.0])  # an interrupted seed resumes with its seed
+    seen = []
+
+    def run(cmd, cwd):
+        seen.append(cmd)
+        out = next((a.split('=', 1)[1] for a in cmd if a.startswith('--out_dir=')), None)
+        if out is None:
+            return rec(cmd, cwd)
+        _write_summary(repo, out, 1.5)
+        return 0
+    monkeypatch.setattr(sweep, 'run_command', run)
+    assert sweep.sweep('mini', schemes=['preln', 'hc'], shapes=[2], seeds=3) == []
+    py = sys.executable
+    assert seen == [
+        [py, 'train.py', 'config/mini/preln_L2.py'],
+        [py, 'train.py', 'config/mini/hc_L2.py'],
+        [py, 'train.py', 'config/mini/preln_L2.py', '--out_dir=out/mini/preln_L2_seed1', '--seed=1338'],
+        [py, 'train.py', 'config/mini/hc_L2.py', '--out_dir=out/mini/hc_L2_seed1', '--seed=1338', '--init_from=resume'],
+        [py, 'train.py', 'config/mini/preln_L2.py', '--out_dir=out/mini/preln_L2_seed2', '--seed=1339'],
+        [py, 'train.py', 'config/mini/hc_L2.py', '--out_dir=out/mini/hc_L2_seed2', '--seed=1339'],
+    ]
+    assert sweep.parse_args(['family=mini', 'seeds=3'])['seeds'] == 3
+    seen.clear()  # one seed index alone (one process per seed): only its runs
+    _write_partial(repo, 'out/mini/hc_L4_seed2', [2.0])
+    assert sweep.sweep('mini', schemes=['hc'], shapes=[2, 4], seed=2) == []
+    assert seen == [[py, 'train.py', 'config/mini/hc_L4.py', '--out_dir=out/mini/hc_L4_seed2', '--seed=1339',
+                     '--init_from=resume']]
+    assert sweep.parse_args(['family=mini', 'seed=0'])['seed'] == 0
+    with pytest.raises(ValueError, match='positive integer'):
+        sweep.parse_args(['family=mini', 'seeds=0'])
+    with pytest.raises(ValueError, match='seed index'):
+        sweep.seeded(families.runs('mini')[0], -1)
+
+
+def test_seed_summary_mean_and_standard_error(tmp_path):
+    losses = {'preln_L4': [1.80, 1.84, 1.82], 'hc_L4': [1.70, 1.78], 'attnres_L4': [1.75]}
+    for name, vals in losses.items():
+        for k, v in enumerate(vals):
+            _write_summary(tmp_path, f"out/mini/{name}" + (f"_seed{k}" if k else ''), v)
+    _write_partial(tmp_path, 'out/mini/preln_L8_seed1', [2.0])  # unfinished: not in the mean
+    rows = sweep.collect('mini', root=str(tmp_path))
+    saved = json.loads((tmp_path / 'out' / 'mini' / 'results.json').read_text())
+    summ = {(s['scheme'], s['L']): s for s in saved['summary']}
+    p = summ[('preln', 4)]
+    assert p['n_seeds'] == 3 and p['mean'] == pytest.approx(1.82)
+    assert p['se'] == pytest.approx(0.02 / math.sqrt(3))  # sample std 0.02 over sqrt(3)
+    assert summ[('hc', 4)]['se'] == pytest.approx(0.04) and summ[('attnres', 4)]['se'] is None
+    assert ('preln', 8) not in summ and len(rows) == 9 + 2 + 1 + 1
+    table = sweep.format_summary(rows)
+    assert '| 4 (32) | 1.820 ± 0.012 (3) | 1.740 ± 0.040 (2) | 1.750 (1) |' in table
+    assert 'L = 4: best hc; others preln +0.080 ± 0.042' in table
+    (png,) = sweep.plot('mini', rows, root=str(tmp_path))
+    assert _png_size(png)[0] > 0

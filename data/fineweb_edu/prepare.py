@@ -27,6 +27,7 @@ import gzip
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -293,7 +294,8 @@ def _tokenize_and_write(texts, tok, args, num_docs, train, val):
         for text, ids in zip(chunk, tok.encode_batch(chunk, num_threads=args.num_proc)):
             ids.append(tok.eot)
             arr = np.array(ids, dtype=np.int64)
-            assert arr.max() < 2**16, f"token id {arr.max()} does not fit in uint16"
+            if arr.max() >= 2**16:  # astype(np.uint16) would wrap it silently
+                raise ValueError(f"token id {arr.max()} of tokenizer {tok.name!r} does not fit in uint16")
             h = doc_hash(text)
             split = 'val' if h < args.val_fraction else 'train'
             better = held[split] is None or (h < held[split][0] if split == 'train' else h > held[split][0])
@@ -341,12 +343,22 @@ def _tokenize_and_write(texts, tok, args, num_docs, train, val):
                 train_docs=train.docs, val_docs=val.docs, empty_docs_skipped=n_empty)
 
 
+def _terminated(signum, frame):
+    # kill / a closed terminal: unwind like Ctrl-C, so that main's cleanup removes the temp files
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 if __name__ == '__main__':
+    for _sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, _terminated)
     try:
         main(sys.argv[1:])
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt as e:
+        print(f"interrupted{f' ({e})' if str(e) else ''}: no output written, temporary files removed", file=sys.stderr)
+        sys.exit(130)
 
 # --input ../shared/data/c4_sample_1000.jsonl.gz (1000 C4 docs), gpt2:
 #   train 470,954 tokens (995 docs), val 8,270 tokens (5 docs)

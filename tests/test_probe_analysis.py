@@ -1,0 +1,321 @@
+"""
+Tests of probe_analysis.py (Jacobian deviation, usefulness, token collapse, LM pruning) on
+tiny random models, against cases whose answer is known by hand and against brute force.
+Run: python -m pytest tests/test_probe_analysis.py -q
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import probe  # noqa: E402
+import probe_analysis as pa  # noqa: E402
+import residuals  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+V, T = 64, 12
+SCHEMES = ['preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'attnres', 'blockattnres', 'moda']
+
+
+def tiny(residual='preln', n_layer=3, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=V, block_size=32, n_layer=n_layer, n_head=2, n_embd=16, residual=residual, **kw)
+    return GPT(cfg).eval()
+
+
+def randomize_scheme(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.residual.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def zero_blocks(model, blocks):
+    """Blocks that add nothing (residual family: the identity map)."""
+    with torch.no_grad():
+        for b in blocks:
+            model.blocks[b].attn.wo.weight.zero_()
+            model.blocks[b].mlp.w_down.weight.zero_()
+    return model
+
+
+def windows(n=3, t=T, seed=0):
+    return torch.randint(0, V, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+class LinearScheme(residuals.Residual):
+    """A test scheme whose block b is the affine map h -> h A_b + c_b (the backbone unused)."""
+
+    def __init__(self, cfg, seed=0):
+        super().__init__(cfg)
+        g = torch.Generator().manual_seed(seed)
+        d = cfg.n_embd
+        self.A = torch.eye(d) + 0.3 * torch.randn(cfg.n_layer, d, d, generator=g) / math.sqrt(d)
+        self.c = 0.1 * torch.randn(cfg.n_layer, d, generator=g)
+
+    def block(self, h, b, layer, rope):
+        return h @ self.A[b] + self.c[b]
+
+
+def with_scheme(model, scheme):
+    model.residual = scheme
+    return model
+
+# -----------------------------------------------------------------------------
+# the depth-state slot
+
+
+@pytest.mark.parametrize('scheme', SCHEMES)
+def test_set_probe_round_trip_every_scheme(scheme):
+    model = randomize_scheme(tiny(scheme))
+    res = model.residual
+    states = probe.clean_states(model, windows(2))
+    for st in states:
+        z = torch.randn_like(probe._flat(res.probe(st)))
+        assert torch.equal(probe._flat(res.probe(pa.set_probe(res, st, z))), z)
+
+
+def test_residual_without_slot_is_refused():
+    model = tiny('resdual')
+    with pytest.raises(ValueError, match='computes its depth state'):
+        pa.jacobian_deviation(model, windows(1))
+
+# -----------------------------------------------------------------------------
+# Jacobian deviation
+
+
+def _brute_mean_jacobian(model, idx, b):
+    """(1/N) sum_p sum_q dz_{b+1,q}/dz_{b,p} by torch.autograd.functional.jacobian of the whole
+    (B, T, D) -> (B, T, D) map."""
+    res = model.residual
+    st = probe.clean_states(model, idx)[b]
+    z0 = probe._flat(res.probe(st)).detach()
+    rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
+    f = lambda z: probe._flat(res.probe(res.block(pa.set_probe(res, st, z), b, model.blocks[b], rope)))
+    J = torch.autograd.functional.jacobian(f, z0)  # (B, T, D, B, T, D)
+    B, Tn, D = z0.shape
+    return J.reshape(B * Tn, D, B * Tn, D).sum((0, 2)).double() / (B * Tn)  # (D_out, D_in)
+
+
+@pytest.mark.parametrize('scheme', ['preln', 'hc', 'attnres'])
+def test_jacobian_exact_matches_brute_force(scheme):
+    model = randomize_scheme(tiny(scheme, n_layer=2))
+    w = windows(2, t=6)
+    r = pa.jacobian_deviation(model, w, batch_size=1, n_probes=0)
+    for b in range(2):
+        M = _brute_mean_jacobian(model, w, b)
+        want = torch.linalg.matrix_norm(M - torch.eye(len(M), dtype=M.dtype)).item() / math.sqrt(len(M))
+        assert r['deviation'][b] == pytest.approx(want, rel=1e-5)
+    assert r['exact'] and r['se'] == [0.0, 0.0]
+
+
+def test_jacobian_identity_block_is_zero_and_linear_block_exact():
+    model = zero_blocks(tiny('preln'), [1])  # block 1 is the identity
+    r = pa.jacobian_deviation(model, windows(2), n_probes=8)
+    assert r['deviation'][1] == pytest.approx(0.0, abs=1e-6) and r['se'][1] == pytest.approx(0.0, abs=1e-6)
+    assert r['deviation'][0] > 0.01
+    # a linear block h -> h A + c has J = A^T at every token: ||A - I||_F / sqrt(d) exactly
+    lin = with_scheme(tiny('preln'), LinearScheme(tiny('preln').config))
+    r = pa.jacobian_deviation(lin, windows(2), n_probes=0)
+    for b in range(3):
+        want = torch.linalg.matrix_norm(lin.residual.A[b] - torch.eye(16)).item() / 4.0
+        assert r['deviation'][b] == pytest.approx(want, rel=1e-5)
+
+
+def test_jacobian_random_probes_estimate_within_their_error():
+    model = randomize_scheme(tiny('hc'))
+    w = windows(2)
+    exact = pa.jacobian_deviation(model, w, n_probes=0)['deviation']
+    est = pa.jacobian_deviation(model, w, n_probes=64, seed=3)
+    for b in range(3):
+        assert abs(est['deviation'][b] - exact[b]) < 4 * est['se'][b] + 1e-9
+        assert 0 < est['se'][b] < 0.2 * exact[b]
+    assert est['dim'] == 4 * 16  # HC: m * d
+
+# -----------------------------------------------------------------------------
+# usefulness
+
+
+def test_usefulness_linear_blocks_give_ratio_one():
+    lin = with_scheme(tiny('preln'), LinearScheme(tiny('preln').config))
+    r = pa.usefulness(lin, windows(4))
+    assert r['loss_ratio'] == pytest.approx([1.0] * 3, abs=1e-5)
+    assert r['score'] == 0 and r['fit_r2'] == pytest.approx([1.0] * 3, abs=1e-6)
+
+
+def test_usefulness_counts_blocks_above_threshold():
+    model = randomize_scheme(tiny('attnres'))
+    r = pa.usefulness(model, windows(4), threshold=0.0)
+    ratios = np.array(r['loss_ratio'])
+    assert r['significant'] == [bool(x > 1.0) for x in ratios]
+    assert r['linear_loss'] == pytest.approx(list(ratios * r['loss']))
+    r2 = pa.usefulness(model, windows(4), threshold=10.0)
+    assert r2['n_significant'] == 0 and r2['loss_ratio'] == pytest.approx(r['loss_ratio'])
+    # the clean loss is the model's own
+    _, loss = model(windows(4)[:, :-1], windows(4)[:, 1:])
+    assert r['loss'] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_usefulness_replacement_of_identity_block_is_exact():
+    model = zero_blocks(tiny('preln'), [0])
+    r = pa.usefulness(model, windows(4))
+    assert r['loss_ratio'][0] == pytest.approx(1.0, abs=1e-5)
+
+# -----------------------------------------------------------------------------
+# token collapse
+
+
+def test_sval_metrics_hand_cases():
+    g = torch.Generator().manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(20, 20, generator=g, dtype=torch.float64))
+    # k equal singular values: stable rank = erank = k, L1/L2 = sqrt(k)
+    Q8, _ = torch.linalg.qr(torch.randn(8, 8, generator=g, dtype=torch.float64))
+    H = 3.0 * Q[:, :4] @ Q8[:, :4].T  # (20, 8), rank 4, singular values all 3
+    m = pa.sval_metrics(H)
+    for key, want in (('stable_rank', 4.0), ('erank', 4.0), ('l1_l2', 2.0)):
+        assert m[key].item() == pytest.approx(want, rel=1e-9), key
+    # rank one: 1
+    u = torch.randn(20, 1, generator=g, dtype=torch.float64)
+    m = pa.sval_metrics(u @ torch.randn(1, 8, generator=g, dtype=torch.float64))
+    assert [m[k].item() for k in ('stable_rank', 'erank', 'l1_l2')] == pytest.approx([1, 1, 1])
+    # singular values (2, 1): stable rank 5/4, erank = exp(H(4/5, 1/5)), L1/L2 = 3/sqrt(5)
+    H = torch.diag(torch.tensor([2.0, 1.0], dtype=torch.float64))
+    m = pa.sval_metrics(H)
+    p = np.array([0.8, 0.2])
+    assert m['stable_rank'].item() == pytest.approx(1.25)
+    assert m['erank'].item() == pytest.approx(math.exp(-(p * np.log(p)).sum()))
+    assert m['l1_l2'].item() == pytest.approx(3 / math.sqrt(5))
+    # any rank-k matrix: stable rank, erank <= k, L1/L2 <= sqrt(k)
+    for k in (1, 2, 5):
+        H = torch.randn(30, k, generator=g, dtype=torch.float64) @ torch.randn(k, 12, generator=g, dtype=torch.float64)
+        m = pa.sval_metrics(H)
+        assert m['stable_rank'].item() <= k + 1e-9 and m['erank'].item() <= k + 1e-9
+        assert m['l1_l2'].item() <= math.sqrt(k) + 1e-9
+    assert pa.sval_metrics(torch.zeros(5, 3))['erank'].item() == 1.0
+
+
+def test_token_collapse_matches_per_window_svd():
+    model = randomize_scheme(tiny('hc'))
+    w = windows(3)
+    r = pa.token_collapse(model, w, batch_size=2)
+    rec = []
+    model.hidden(w, record=rec)
+    for l, (z, _) in enumerate(rec):
+        Z = probe._flat(z)
+        want = np.mean([pa.sval_metrics(Z[i])['erank'].item() for i in range(3)])
+        assert r['erank'][l] == pytest.approx(want)
+    assert r['max_rank'] == min(T, 4 * 16) and len(r['stable_rank']) == 4
+    # z_0 of HC is m copies of the embedding: the same spectrum as the embedding, times sqrt(m)
+    emb = model.wte(w)
+    assert r['erank'][0] == pytest.approx(np.mean([pa.sval_metrics(emb[i])['erank'].item() for i in range(3)]))
+
+# -----------------------------------------------------------------------------
+# LM pruning
+
+
+def test_prune_lm_matches_skipped_forward():
+    model = randomize_scheme(tiny('attnres'))
+    w = windows(4)
+    r = pa.prune_lm(model, w, batch_size=3)
+    _, loss = model(w[:, :-1], w[:, 1:])
+    assert r['loss'] == pytest.approx(loss.item(), rel=1e-5)
+    for b in range(3):
+        logits, _ = model(w, skip=(b,))
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), w[:, 1:].reshape(-1)).item()
+        assert r['loss_skip'][b] == pytest.approx(ce, rel=1e-5)
+        assert r['delta'][b] == pytest.approx(ce - loss.item(), abs=1e-5)
+    zero = pa.prune_lm(zero_blocks(tiny('preln'), [2]), w)
+    assert zero['delta'][2] == pytest.approx(0.0, abs=1e-6) and zero['se'][2] == pytest.approx(0.0, abs=1e-6)
+
+# -----------------------------------------------------------------------------
+# through probe.py's interface
+
+
+def test_registered_in_probe_metrics(tmp_path):
+    data = np.random.default_rng(0).integers(0, V, 4000).astype(np.uint16)
+    (tmp_path / 'val.bin').write_bytes(data.tobytes())
+    model = tiny('hc')
+    ckpt = tmp_path / 'run' / 'ckpt.pt'
+    ckpt.parent.mkdir()
+    torch.save({'model': model.state_dict(), 'model_args': model.config.__dict__, 'config': {}, 'iter_num': 1}, ckpt)
+    out = probe.main([f'--ckpt={ckpt}', f'--val_bin={tmp_path / "val.bin"}', '--metrics=jacobian,usefulness,'
+                      'token_collapse,prune_lm,logit_lens', '--n_windows=2', '--seq_len=8', '--jacobian_probes=4'])
+    for m, fig in (('jacobian', 'jacobian'), ('usefulness', 'usefulness'), ('token_collapse', 'token_collapse'),
+                   ('prune_lm', 'prune')):
+        assert m in out and (ckpt.parent / 'probe' / f'{fig}.png').exists(), m
+    assert out['jacobian']['n_probes'] == 4 and len(out['usefulness']['loss_ratio']) == 3
+    saved = probe.load_results(ckpt.parent / 'probe' / 'probe.json')
+    assert saved['token_collapse']['erank'] == pytest.approx(out['token_collapse']['erank'])
+
+# -----------------------------------------------------------------------------
+# figures
+
+
+def test_figures_scales_and_labels():
+    import probe_plots as pp
+    L = 4
+    late = {'R_causal': 0.0, 'R_perm': 0.0, 'causal_threshold': 0.45, 'perm_threshold': 0.15, 'start': 1,
+            'n_pairs': 6}
+    C = np.full((L, L), np.nan)
+    C[np.triu_indices(L, 1)] = 0.2
+    C_big = C.copy()
+    C_big[1, 2] = 7.0  # an AttnRes-like C(s, s+1) far above the cap
+    one = pp.plot_causal([{'label': 'a', 'causal': {'C': C}, 'late_pairs': late}])
+    two = pp.plot_causal([{'label': 'a', 'causal': {'C': C}, 'late_pairs': late},
+                          {'label': 'b', 'causal': {'C': C_big}, 'late_pairs': late}])
+    clims = [im.get_clim() for f in (one, two) for ax in f.axes for im in ax.get_images()]
+    assert clims == [(0, 0.9)] * 3  # the same scale alone and side by side
+    titles = [ax.get_title() for ax in two.axes if ax.get_images()]
+    assert 'max 7.00' in titles[1]
+    bars = [ax for ax in two.axes if not ax.get_images()]
+    assert all(ax.get_ylabel() for ax in bars)  # every colour bar says what it shows
+    assert any('late pairs' in t.get_text() for ax in two.axes if ax.get_legend() for t in ax.get_legend().get_texts())
+    # R bars all zero: the axis starts at 0
+    fig = pp.plot_late_pairs([{'label': 'a', 'late_pairs': late}])
+    assert fig.axes[0].get_ylim()[0] == 0
+    # HC path weights: the readout row (m = 4 times a sublayer's scale) gets its own colour scale
+    W = np.tril(np.full((2 * L + 1, 2 * L + 1), 1.0))
+    W[np.triu_indices(2 * L + 1, 1)] = np.nan
+    W[-1, :] = 4.0
+    fig = pp.plot_path_weights([{'label': 'hc', 'path_weights': {'W': W, 'kind': 'hc'}}])
+    ims = [ax.get_images()[0] for ax in fig.axes if ax.get_images()]
+    assert ims[0].get_array().shape == (2 * L, 2 * L + 1) and ims[0].get_clim()[1] < 2
+    assert ims[1].get_array().shape == (1, 2 * L + 1) and ims[1].get_clim()[1] > 3
+    # Pre-LN: a fixed 0..1 scale, not 1..2
+    U = np.tril(np.ones((2 * L + 1, 2 * L + 1)))
+    fig = pp.plot_path_weights([{'label': 'p', 'path_weights': {'W': U, 'kind': 'unit'}}])
+    assert [ax.get_images()[0].get_clim() for ax in fig.axes if ax.get_images()] == [(0.0, 1.0)] * 2
+    # angular: no empty column for the last state
+    S = np.full((L, L + 1), np.nan)
+    for n in range(1, L + 1):
+        S[n - 1, :L + 1 - n] = 0.1 * n
+    fig = pp.plot_angular([{'label': 'a', 'angular': {'subsequent': S}}])
+    assert fig.axes[0].get_images()[0].get_array().shape == (L, L)
+    # LogitLens: every panel has a legend; byte models are labelled per byte
+    ll = {'kl': [1, 0.5, 0], 'ce': [3, 2, 1.5], 'top5': [0.2, 0.6, 1]}
+    fig = pp.plot_logit_lens([{'label': 'a', 'logit_lens': ll, 'tokenizer': 'byte'}])
+    assert all(ax.get_legend() is not None for ax in fig.axes) and 'byte' in fig.axes[1].get_ylabel()
+    # pruning: error bars on both panels
+    blocks = [{'block': b, 'acc_norm': 0.3, 'delta_acc_norm': 0.01 * b, 'se_delta_acc_norm': 0.02} for b in range(L)]
+    r = {'label': 'a', 'prune': {'blocks': blocks, 'baseline': {'acc_norm': 0.3}, 'n': 500},
+         'prune_lm': {'loss': 2.0, 'delta': [0.1] * L, 'se': [0.01] * L, 'n_windows': 16}}
+    fig = pp.plot_prune([r])
+    assert len(fig.axes) == 2 and all(ax.containers for ax in fig.axes)
+
+
+@pytest.mark.parametrize('scheme', SCHEMES)
+def test_every_analysis_runs_for_every_scheme(scheme):
+    model = randomize_scheme(tiny(scheme, n_layer=2))
+    w = windows(2, t=8)
+    j = pa.jacobian_deviation(model, w, n_probes=2)
+    u = pa.usefulness(model, w)
+    t = pa.token_collapse(model, w)
+    p = pa.prune_lm(model, w)
+    assert len(j['deviation']) == len(u['loss_ratio']) == len(p['delta']) == 2 and len(t['erank']) == 3
+    assert all(np.isfinite(j['deviation'])) and all(np.isfinite(u['loss_ratio'])) and all(x > 0 for x in t['erank'])
