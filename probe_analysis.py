@@ -1,9 +1,9 @@
 """
-The study's block-level analyses beyond probes.md §1-§8, for every residual scheme through
-the scheme interface (begin / block / skip / probe): how close each block is to the
-identity (Jacobian deviation), whether a linear map could stand in for it (usefulness),
-how many directions the tokens span at each depth (token collapse), and what skipping a
-block costs in held-out LM loss (LM pruning). probe.py registers them as metrics:
+The study's block-level analyses beyond the diagnostics of the paper's Sec. 4 (docs/probes.md),
+for every residual scheme through the scheme interface (begin / block / skip / probe): how
+close each block is to the identity (Jacobian deviation), whether a linear map could stand
+in for it (usefulness), how many directions the tokens span at each depth (token collapse),
+and what skipping a block costs in held-out LM loss (LM pruning). probe.py registers them as metrics:
 
     python probe.py --ckpt=out/mini/hc_L8/ckpt.pt --metrics=jacobian,usefulness,token_collapse,prune_lm
 
@@ -11,7 +11,7 @@ Definitions follow the study's analysis scripts (keyu-wang-2002/DepthBench, anal
 compute_jacobian.py, compute_usefulness_score.py, compute_token_collapse.py,
 compute_layer_pruning.py); docs/analyses.md states them with the estimator's error.
 
-The "block's map" is the map of the depth state z_l = residual.probe(state) (probes.md §0:
+The "block's map" is the map of the depth state z_l = residual.probe(state) (docs/probes.md, depth states:
 the residual stream; HC/mHC's m streams as one m*d vector; AttnRes's raw depth mix) to
 z_{l+1}, with everything else the state holds (AttnRes's source bank, MoDA's depth cache)
 kept as in the clean run. It needs z_l to be a slot of the state (set_probe); a scheme whose

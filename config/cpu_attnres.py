@@ -1,5 +1,5 @@
 # Quick start on a CPU: a small Full AttnRes model on web text, about 8 minutes on 2 cores.
-# $ python data/fineweb_edu/prepare.py --input ../shared/data/c4_sample_1000.jsonl.gz
+# $ python data/fineweb_edu/prepare.py --sample   (train.py also does it when data/fineweb_edu is empty)
 # $ python train.py config/cpu_attnres.py
 # Expect the validation loss to fall from ~10.8 (= ln 50280, uniform) to below 8.
 out_dir = 'out/cpu_attnres'

@@ -50,7 +50,7 @@ def test_attnres_depth_scores_follow_the_formula_with_nonzero_queries():
 
 
 def test_mhc_sinkhorn_iterations_default_to_20_in_training():
-    """DESIGN §4 / schemes.md: 20 Sinkhorn-Knopp iterations; the training script's default
+    """Paper Appendix A, docs/schemes.md: 20 Sinkhorn-Knopp iterations; the training script's default
     (a literal in train.py) and GPTConfig's agree, and the built model uses them."""
     tree = ast.parse((REPO / 'train.py').read_text())
     defaults = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets

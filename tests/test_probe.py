@@ -676,7 +676,7 @@ def test_bootstrap_interval_is_95_percent_by_default():
 
 
 def test_held_out_windows_follow_the_documented_draw(tmp_path):
-    """probes.md §0: numpy default_rng(seed), uniform start in [0, n - T], contiguous tokens
+    """docs/probes.md, windows: numpy default_rng(seed), uniform start in [0, n - T], contiguous tokens
     (one file). Token k of the file has id k, so a window names its start."""
     n, T = 5000, 16
     val = tmp_path / 'val.bin'

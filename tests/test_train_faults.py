@@ -261,7 +261,7 @@ def test_settings_checked_up_front(data_dir, tmp_path):
 
 
 def hand_lr(it, peak, warmup, max_iters, floor):
-    """Linear warmup from peak/(warmup+1) (never 0) to peak, then cosine to floor x peak (DESIGN §6)."""
+    """Linear warmup from peak/(warmup+1) (never 0) to peak, then cosine to floor x peak (paper Sec. 2.3)."""
     if it < warmup:
         return peak * (it + 1) / (warmup + 1)
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (it - warmup) / (max_iters - warmup))))

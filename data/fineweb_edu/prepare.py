@@ -8,7 +8,7 @@ Offline, the small web-text sample shipped in data/sample/ (744 documents, about
 tokens; train.py prepares it by itself when data/fineweb_edu is empty):
 $ python data/fineweb_edu/prepare.py --sample
 or local files (.parquet, .jsonl, .jsonl.gz, .txt; directories and globs allowed):
-$ python data/fineweb_edu/prepare.py --input ../shared/data/webtext/*.jsonl.gz ../shared/data/c4_sample_1000.jsonl.gz
+$ python data/fineweb_edu/prepare.py --input shards/*.jsonl.gz more.parquet
 $ python data/fineweb_edu/prepare.py --input input.txt --tokenizer byte --out_dir data/shakespeare_byte
 
 A .txt file is plain UTF-8 text, cut at blank lines into documents of about
