@@ -447,7 +447,9 @@ def load_olmo_core(path, tokenizer=None):
     tok = tokenizer or find_tokenizer(ckpt_dir, config)
     step = int(ckpt_dir.name[4:]) if ckpt_dir.name.startswith('step') and ckpt_dir.name[4:].isdigit() else None
     ckpt = {'model': model_state, 'model_args': asdict(cfg), 'iter_num': step,
-            'config': {'tokenizer': tok, 'converted_from': str(ckpt_dir.resolve()), 'source': 'olmo_core',
+            # vocab_size: the embedding's rows, set by the weights (padded past the tokenizer), not by data
+            'config': {'tokenizer': tok, 'vocab_size': cfg.vocab_size,
+                       'converted_from': str(ckpt_dir.resolve()), 'source': 'olmo_core',
                        'block': kind if kind != 'mhc' else backend}}
     msg = (f"{ckpt_dir}: block {kind}{'/' + backend if kind == 'mhc' else ''} -> {cfg.residual}, L={cfg.n_layer}, d={cfg.n_embd}, "
            f"heads {cfg.n_head}/{cfg.n_kv_head}, vocab {cfg.vocab_size}, read with {reader}; "
@@ -536,7 +538,8 @@ def load_hf(d, tokenizer=None):
         state[ours] = w[h].float().contiguous().clone()
     tok = tokenizer or (str((d / 'tokenizer.json').resolve()) if (d / 'tokenizer.json').is_file() else None)
     ckpt = {'model': state, 'model_args': asdict(cfg), 'iter_num': None,
-            'config': {'tokenizer': tok, 'converted_from': str(d.resolve()), 'source': 'hf'}}
+            'config': {'tokenizer': tok, 'vocab_size': cfg.vocab_size, 'converted_from': str(d.resolve()),
+                       'source': 'hf'}}
     msg = (f"{d}: LlamaForCausalLM -> preln, L={cfg.n_layer}, d={cfg.n_embd}, heads {cfg.n_head}/{cfg.n_kv_head}, "
            f"theta {theta:g}, eps {cfg.norm_eps:g}, {'tied' if tied else 'untied'} embeddings; "
            f"tokenizer {tok or 'not found (pass --tokenizer)'}")
