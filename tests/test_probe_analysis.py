@@ -17,36 +17,14 @@ import probe  # noqa: E402
 import probe_analysis as pa  # noqa: E402
 import residuals  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+import test_probe  # noqa: E402  (the tiny-model helpers the probe tests share)
+from test_probe import V, T, randomize_scheme, windows, zero_blocks  # noqa: E402,F401
 
-V, T = 64, 12
 SCHEMES = ['preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'attnres', 'blockattnres', 'moda']
 
 
 def tiny(residual='preln', n_layer=3, seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=V, block_size=32, n_layer=n_layer, n_head=2, n_embd=16, residual=residual, **kw)
-    return GPT(cfg).eval()
-
-
-def randomize_scheme(model, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.residual.parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g))
-    return model
-
-
-def zero_blocks(model, blocks):
-    """Blocks that add nothing (residual family: the identity map)."""
-    with torch.no_grad():
-        for b in blocks:
-            model.blocks[b].attn.wo.weight.zero_()
-            model.blocks[b].mlp.w_down.weight.zero_()
-    return model
-
-
-def windows(n=3, t=T, seed=0):
-    return torch.randint(0, V, (n, t), generator=torch.Generator().manual_seed(seed))
+    return test_probe.tiny(residual, n_layer=n_layer, seed=seed, **kw)
 
 
 class LinearScheme(residuals.Residual):
