@@ -39,6 +39,17 @@ def _integer_ticks(ax):
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _finish_curves(fig, axes):
+    """The common finish of a per-layer curve figure: small titles, integer layer ticks,
+    a legend per panel, a tight layout. Returns fig."""
+    for ax in axes:
+        ax.title.set_fontsize(9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def _with(results, metric):
     return [r for r in results if r.get(metric) is not None]
 
@@ -264,11 +275,7 @@ def plot_logit_lens(results):
     axes[2].set(ylabel='|top5(p_l) ∩ top5(p_final)| / 5', title='top-5 overlap with the final', ylim=(0, 1.05))
     for ax in axes:
         ax.set_xlabel('layer l (0 = embedding)')
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.title.set_fontsize(9)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return _finish_curves(fig, axes)
 
 
 def plot_propagation(results):
@@ -342,11 +349,7 @@ def plot_jacobian(results):
                     fmt='-o', ms=3, capsize=2, label=f"{r['label']} (D = {j['dim']}, {how})")
     ax.set(xlabel='block l', ylabel='||J_l - I||_F / sqrt(D)', ylim=(0, None),
            title='deviation of each block from the identity (± 1 s.e.)')
-    ax.title.set_fontsize(9)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return _finish_curves(fig, [ax])
 
 
 def plot_usefulness(results):
@@ -365,11 +368,7 @@ def plot_usefulness(results):
     ax.axhline(1, color='grey', lw=0.6)
     ax.set(xlabel='block l replaced by a linear map', ylabel='loss_linear / loss',
            title='usefulness: cost of a linear stand-in for each block')
-    ax.title.set_fontsize(9)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return _finish_curves(fig, [ax])
 
 
 def plot_token_collapse(results):
