@@ -710,7 +710,7 @@ def gpu_suite(dev, dtype_name, compile_, tiny, steps, schemes_=GPU_SCHEMES, log=
     step_batch = 2 if tiny else 4       # the micro-batch of the step-time comparison
     cap = 4 if tiny else 16             # the paper's micro-batch at 400M
     budget = torch.cuda.get_device_properties(dev).total_memory * 0.9 if dev.type == 'cuda' else 2**31
-    res = dict(device=str(dev), dtype=dtype_name, compile=compile_, tiny=tiny, schemes={})
+    res = dict(device=str(dev), dtype=dtype_name, compile=compile_, tiny=tiny, shapes=shapes, schemes={})
     if dev.type == 'cuda':
         res['gpu'] = torch.cuda.get_device_name(dev)
     # 1. Pre-LN L = 16: throughput and MFU
@@ -720,7 +720,8 @@ def gpu_suite(dev, dtype_name, compile_, tiny, steps, schemes_=GPU_SCHEMES, log=
     r = timed_steps(model, step_batch, dev, ctx, steps, compile_)
     tps = step_batch * cfg.block_size / r['step_ms'] * 1e3
     res['preln_l16'] = dict(r, batch=step_batch, tokens_per_s=tps, mfu=estimate_mfu(model, tps, cfg.block_size, dev))
-    log(f"Pre-LN L={cfg.n_layer} d={cfg.n_embd}: {tps:,.0f} tokens/s, MFU {res['preln_l16']['mfu']}, "
+    mfu = res['preln_l16']['mfu']
+    log(f"Pre-LN L={cfg.n_layer} d={cfg.n_embd}: {tps:,.0f} tokens/s, MFU {'–' if mfu is None else f'{mfu:.1%}'}, "
         f"first step {r['first_step_s']:.1f} s")
     del model
     # 2. every scheme at the L = 32 shape
@@ -769,12 +770,13 @@ def gpu_suite(dev, dtype_name, compile_, tiny, steps, schemes_=GPU_SCHEMES, log=
 def format_gpu_table(res):
     """The README-ready markdown of a gpu_suite result."""
     gib = lambda b: f"{b / 2**30:.1f}" if b else '–'  # noqa: E731
-    p = res['preln_l16']
+    p, s16, s32 = res['preln_l16'], res['shapes']['l16'], res['shapes']['l32']
+    shape = lambda c: f"L = {c['n_layer']}, d = {c['n_embd']}"  # noqa: E731  (the shapes measured)
     where = res.get('gpu', res['device']) + f", {res['dtype']}, compile={res['compile']}" + (', tiny shapes' if res['tiny'] else '')
     lines = [f"Measured on {where}.", '',
-             f"Pre-LN L = 16: {p['tokens_per_s']:,.0f} tokens/s at micro-batch {p['batch']}, MFU "
+             f"Pre-LN {shape(s16)}: {p['tokens_per_s']:,.0f} tokens/s at micro-batch {p['batch']}, MFU "
              + (f"{p['mfu']:.1%}" if p['mfu'] else '–') + '.', '',
-             '| scheme (L = 32) | step × Pre-LN | first step (compile) s | micro-batch that fits | '
+             f'| scheme ({shape(s32)}) | step × Pre-LN | first step (compile) s | micro-batch that fits | '
              'predicted peak GiB | max_memory_allocated GiB (eager) |', '|---|---|---|---|---|---|']
     for name, r in res['schemes'].items():
         lines.append(f"| {name} | {r['step_vs_preln']:.2f} | {r['first_step_s']:.0f} | {r['fit_batch']} | "
@@ -783,7 +785,7 @@ def format_gpu_table(res):
     lines += ['', f"MoDA null-key attention (head dim hd + 1): backends that run {', '.join(a['backends_null_key'])} "
               f"(plain attention: {', '.join(a['backends_plain'])}); {a['null_key_ms']:.2f} ms against "
               f"{a['plain_ms']:.2f} ms (forward + backward, default dispatch).",
-              f"attnres L = 32: 30 optimizer steps at micro-batch {t['batch']}, last loss {t['loss']:.3f} "
+              f"attnres {shape(s32)}: 30 optimizer steps at micro-batch {t['batch']}, last loss {t['loss']:.3f} "
               f"({'finite' if t['finite'] else 'NOT finite'})."]
     return '\n'.join(lines)
 
