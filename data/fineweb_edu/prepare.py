@@ -329,8 +329,9 @@ def _tokenize_and_write(texts, tok, args, num_docs, train, val):
     n_train = train.docs + (held['train'] is not None)
     n_val = val.docs + (held['val'] is not None)
     if n_train + n_val < 2:
-        raise ValueError(f"empty corpus: {n_train + n_val} non-empty documents ({n_empty} empty) in "
-                         f"{n_docs} records; need at least 2 (one train, one val)")
+        raise ValueError(f"too few documents: {n_train + n_val} non-empty ({n_empty} empty) in {n_docs} records, "
+                         f"need at least 2 (one train, one val); an empty corpus or a single document "
+                         f"(for one long .txt file, lower --txt_doc_chars)")
     if n_val == 0:
         held['val'], held['train'] = held['train'], None
     elif n_train == 0:
