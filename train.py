@@ -433,10 +433,10 @@ if init_from == 'resume':
             print0(f"note: {k}={config[k]!r} differs from the checkpoint's run ({old!r}): "
                    f"the resumed run does not continue it exactly")
 elif init_from == 'scratch':
+    model_args = model_args_of_config()  # bad settings first: a resume would not mend them
     if os.path.exists(ckpt_path):  # never overwrite a run, or mix two runs' metrics.jsonl
         fail(f"{out_dir} already holds a run ({ckpt_path}): continue or evaluate it with --init_from=resume, "
              f"or start anew in another --out_dir")
-    model_args = model_args_of_config()
 else:
     fail(f"init_from={init_from!r}: use 'scratch' or 'resume'")
 if model_args['vocab_size'] < meta.get('vocab_size', 0):  # token ids past the embedding: an IndexError mid-run
