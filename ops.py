@@ -59,49 +59,66 @@ class DepthMixFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_gain, *tensors):
         n = len(tensors) // 2
-        sources, inv_rmses = tensors[:n], tensors[n:]
-        dtype = _promoted_dtype(sources)
-        acc = torch.promote_types(dtype, torch.float32)                         # fp32 (fp64 in gradcheck)
-        u = query.to(acc) * key_gain.to(acc)                                    # (d,)
-        r = torch.stack([v.to(acc) @ u for v in sources])                       # (n, B, T)
-        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
-        a = torch.softmax(r * s, dim=0)                                         # (n, B, T)
-        z = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)  # (B, T, d)
-        for i, v in enumerate(sources):  # in place: one buffer, not n fresh (B, T, d) allocations
-            z.addcmul_(a[i].unsqueeze(-1), v)
+        z, a, r = depth_mix_forward(query, key_gain, tensors[:n], tensors[n:])
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(query, key_gain, r, *sources, *inv_rmses)
-        return z.to(dtype), a
+        ctx.save_for_backward(query, key_gain, r, *tensors)
+        return z, a
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # r is saved, not recomputed: no double backward
     def backward(ctx, gz, ga):
         query, key_gain, r, *tensors = ctx.saved_tensors
         n = len(tensors) // 2
-        sources, inv_rmses = tensors[:n], tensors[n:]
-        need_w, need_g = ctx.needs_input_grad[:2]
-        need_v, need_s = ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
-        acc = r.dtype
-        u = query.to(acc) * key_gain.to(acc)                                    # (d,)
-        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
-        a = torch.softmax(r * s, dim=0)                                         # (n, B, T), as in forward
-        gz = torch.zeros(sources[0].shape, dtype=acc, device=r.device) if gz is None else gz.to(acc)
-        p = torch.stack([torch.linalg.vecdot(v.to(acc), gz) for v in sources])  # (n, B, T)
-        if ga is not None:
-            p = p + ga
-        ge = a * (p - (a * p).sum(0, keepdim=True))                             # (n, B, T)
-        c = ge * s                                                              # (n, B, T), reaches r
-        gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
-              for i, v in enumerate(sources)]                                   # n x (B, T, d)
-        gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
-              for i in range(n)]                                                # n x (B, T, 1)
-        gw = gg = None
-        if need_w or need_g:
-            d = u.numel()
-            gu = sum(v.reshape(-1, d).to(acc).t() @ c[i].reshape(-1) for i, v in enumerate(sources))  # (d,)
-            gw = (gu * key_gain.to(acc)).to(query.dtype) if need_w else None
-            gg = (gu * query.to(acc)).to(key_gain.dtype) if need_g else None
+        gw, gg, gv, gs = depth_mix_backward(query, key_gain, r, tensors[:n], tensors[n:], gz, ga,
+                                            ctx.needs_input_grad)
         return (gw, gg, *gv, *gs)
+
+
+def depth_mix_forward(query, key_gain, sources, inv_rmses):
+    """DepthMixFunction's forward on plain tensors: returns z (B, T, d) in the sources'
+    promoted dtype, a and r = v . (w * g) (n, B, T) in fp32 (fp64 for fp64 inputs)."""
+    dtype = _promoted_dtype(sources)
+    acc = torch.promote_types(dtype, torch.float32)                         # fp32 (fp64 in gradcheck)
+    u = query.to(acc) * key_gain.to(acc)                                    # (d,)
+    r = torch.stack([v.to(acc) @ u for v in sources])                       # (n, B, T)
+    s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
+    a = torch.softmax(r * s, dim=0)                                         # (n, B, T)
+    z = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)  # (B, T, d)
+    for i, v in enumerate(sources):  # in place: one buffer, not n fresh (B, T, d) allocations
+        z.addcmul_(a[i].unsqueeze(-1), v)
+    return z.to(dtype), a, r
+
+
+def depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, ga, needs=None):
+    """DepthMixFunction's backward on plain tensors (formulas in its docstring): gz (B, T, d)
+    and ga (n, B, T), either None, -> gw, gg (d,), gv: n x (B, T, d), gs: n x (B, T, 1), each
+    in its input's dtype. `needs`: needs_input_grad of (query, key_gain, *sources,
+    *inv_rmses); a gradient not needed is None (default: all are computed)."""
+    n = len(sources)
+    needs = needs or (True,) * (2 + 2 * n)
+    need_w, need_g = needs[:2]
+    need_v, need_s = needs[2:2 + n], needs[2 + n:]
+    acc = r.dtype
+    u = query.to(acc) * key_gain.to(acc)                                    # (d,)
+    s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
+    a = torch.softmax(r * s, dim=0)                                         # (n, B, T), as in forward
+    gz = torch.zeros(sources[0].shape, dtype=acc, device=r.device) if gz is None else gz.to(acc)
+    p = torch.stack([torch.linalg.vecdot(v.to(acc), gz) for v in sources])  # (n, B, T)
+    if ga is not None:
+        p = p + ga
+    ge = a * (p - (a * p).sum(0, keepdim=True))                             # (n, B, T)
+    c = ge * s                                                              # (n, B, T), reaches r
+    gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
+          for i, v in enumerate(sources)]                                   # n x (B, T, d)
+    gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
+          for i in range(n)]                                                # n x (B, T, 1)
+    gw = gg = None
+    if need_w or need_g:
+        d = u.numel()
+        gu = sum(v.reshape(-1, d).to(acc).t() @ c[i].reshape(-1) for i, v in enumerate(sources))  # (d,)
+        gw = (gu * key_gain.to(acc)).to(query.dtype) if need_w else None
+        gg = (gu * query.to(acc)).to(key_gain.dtype) if need_g else None
+    return gw, gg, gv, gs
 
 
 def check_depth_mix_args(sources, inv_rmses, query, key_gain):
@@ -136,7 +153,7 @@ def depth_mix_reference(sources, inv_rmses, query, key_gain):
     return z, a
 
 
-def depth_mix(sources, inv_rmses, query, key_gain):
+def depth_mix(sources, inv_rmses, query, key_gain, route=None):
     """Depth attention of AttnRes (arXiv 2603.15031; paper Table 1, Appendix A):
 
         e_i = w^T RMSNorm_key(v_i) = (v_i . (w * g)) / rms(v_i),   a = softmax_i(e),   z = sum_i a_i v_i
@@ -148,10 +165,194 @@ def depth_mix(sources, inv_rmses, query, key_gain):
     sources: saved memory per read is n fp32 numbers per token, not n copies of (B, T, d).
     Gradients flow into the sources, their 1/rms, w and g.
     Returns z (B, T, d) in the sources' (promoted) dtype and the weights a (n, B, T) in fp32.
+    route: None (eager), or under torch.compile the `open_route` on whose slots 0..n-1 the
+    sources were put (`route_write`): the read is then one opaque op, and `a` carries no gradient.
     Raises ValueError if the lists are empty or differ in length, or for a shape that
     does not fit the above."""
     check_depth_mix_args(sources, inv_rmses, query, key_gain)
-    return DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
+    if route is None:
+        return DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
+    z, a, _ = depth_mix_op(list(sources), list(inv_rmses), query, key_gain, route)
+    return z, a
+
+
+# ---- Under torch.compile: the depth reads as opaque ops -----------------------
+#
+# Whole-model torch.compile traces the Python loops of DepthMixFunction and DepthReadFunction:
+# read k of Full AttnRes has k + 1 sources, so the graph holds O(L^2) source terms, the
+# backward sums every source's gradient over all later reads (O(L^2) more adds), and
+# inductor compiles a kernel for each distinct n: compile time grew as L^2 (docs/gpu.md).
+# Under torch.compile the reads are therefore custom ops (torch.library), one node per
+# read whatever n, that run the functions above, and the sources' gradients travel along a
+# *route* instead of one autograd edge per (read, source) pair:
+#   - a route stands for N slots (slot i = source i); its value is never read (it is a
+#     zero-stride zero tensor, no memory), only its gradient (N, B, T, width) is used;
+#   - a read takes the route that covers its sources and returns their gradients as the
+#     route's gradient, slot i holding source i's (zero in the slots it did not read);
+#   - `route_write(route, i, *tensors)` puts source i on the route: its backward passes the
+#     route's gradient on to the earlier route and hands slot i to the tensors.
+# Autograd then sums the reads' contributions with one add of fixed shape per read (one
+# kernel for every read), and the compiled graph grows as O(L). The cost is that add over
+# all N slots in the backward and the copies into and out of the slots; the eager path
+# (no route) is unchanged. UNROLL_DEPTH_READS = True restores the traced loops.
+
+UNROLL_DEPTH_READS = False  # True: torch.compile traces the reads' loops (faster compiled step, compile O(L^2))
+
+
+def open_route(like, n_slots, width):
+    """A route for `n_slots` slots of shape like.shape[:-1] + (width,) in fp32 (fp64 for
+    fp64), or None outside torch.compile (or with UNROLL_DEPTH_READS), where reads take
+    their sources' gradients through autograd directly."""
+    if not torch.compiler.is_compiling() or UNROLL_DEPTH_READS:
+        return None
+    acc = torch.promote_types(like.dtype, torch.float32)
+    return like.new_zeros((), dtype=acc).expand(n_slots, *like.shape[:-1], width)
+
+
+class RouteWrite(torch.autograd.Function):
+    """Puts `tensors` (each (...) + (w_j,), concatenated along the last dim to fill one slot)
+    on slot k of a route. Forward: a new route (the value does not matter); backward:
+    the route's gradient g goes on to the earlier route, g[k] split along the last dim to
+    the tensors (cast to their dtypes)."""
+
+    @staticmethod
+    def forward(ctx, route, k, *tensors):
+        ctx.k, ctx.sizes, ctx.dtypes = k, [t.size(-1) for t in tensors], [t.dtype for t in tensors]
+        return route.new_zeros(()).expand(route.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = route_slot(g, ctx.k).split(ctx.sizes, dim=-1)
+        return (g, None, *(p.to(dt) for p, dt in zip(parts, ctx.dtypes)))
+
+
+def route_write(route, k, *tensors):
+    """`RouteWrite` of tensors on slot k, or None (no route: outside torch.compile)."""
+    if route is None:
+        return None
+    assert 0 <= k < route.size(0) and sum(t.size(-1) for t in tensors) == route.size(-1)
+    return RouteWrite.apply(route, k, *tensors)
+
+
+@torch.library.custom_op('depthbench::route_slot', mutates_args=())
+def route_slot(g: torch.Tensor, k: int) -> torch.Tensor:
+    """g[k], a copy. An op of its own so that the slot's offset is an argument, not a
+    constant compiled into a different kernel for every slot."""
+    return g[k].clone()
+
+
+@route_slot.register_fake
+def _(g, k):
+    return g.new_empty(g.shape[1:])
+
+
+@torch.library.custom_op('depthbench::depth_mix', mutates_args=())
+def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], query: torch.Tensor,
+                 key_gain: torch.Tensor, route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`depth_mix_forward` as one opaque op: (z, a, r). Sources i < n sit on route slots i;
+    their gradients (and their 1/rms's) come back through the route, width d + 1."""
+    with no_autocast(query):
+        return depth_mix_forward(query, key_gain, sources, inv_rmses)
+
+
+@depth_mix_op.register_fake
+def _(sources, inv_rmses, query, key_gain, route):
+    dtype = _promoted_dtype(sources)
+    v, n = sources[0], len(sources)
+    acc = torch.promote_types(dtype, torch.float32)
+    return v.new_empty(v.shape, dtype=dtype), v.new_empty((n,) + v.shape[:2], dtype=acc), v.new_empty((n,) + v.shape[:2], dtype=acc)
+
+
+@torch.library.custom_op('depthbench::depth_mix_backward', mutates_args=())
+def depth_mix_backward_op(gz: torch.Tensor, query: torch.Tensor, key_gain: torch.Tensor, r: torch.Tensor,
+                          sources: list[torch.Tensor], inv_rmses: list[torch.Tensor],
+                          n_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`depth_mix_backward` as one opaque op: (gw, gg, the route's gradient (n_slots, B, T, d + 1)
+    in fp32, slot i = [gv_i, gs_i] for i < n, zero after)."""
+    with no_autocast(query):
+        gw, gg, gv, gs = depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, None)
+        g = gz.new_zeros((n_slots,) + gz.shape[:-1] + (gz.size(-1) + 1,), dtype=r.dtype)
+        for i in range(len(sources)):
+            g[i, ..., :-1], g[i, ..., -1:] = gv[i], gs[i]
+    return gw, gg, g
+
+
+@depth_mix_backward_op.register_fake
+def _(gz, query, key_gain, r, sources, inv_rmses, n_slots):
+    return (torch.empty_like(query), torch.empty_like(key_gain),
+            gz.new_empty((n_slots,) + gz.shape[:-1] + (gz.size(-1) + 1,), dtype=r.dtype))
+
+
+def _depth_mix_setup(ctx, inputs, output):
+    sources, inv_rmses, query, key_gain, route = inputs
+    ctx.n, ctx.n_slots = len(sources), route.size(0)
+    ctx.save_for_backward(query, key_gain, output[2], *sources, *inv_rmses)
+    ctx.mark_non_differentiable(output[1], output[2])  # a is for traces only; r is saved
+
+
+def _depth_mix_op_backward(ctx, gz, ga, gr):
+    query, key_gain, r, *tensors = ctx.saved_tensors
+    n = ctx.n
+    gz = torch.zeros_like(tensors[0]) if gz is None else gz
+    gw, gg, groute = depth_mix_backward_op(gz, query, key_gain, r, tensors[:n], tensors[n:], ctx.n_slots)
+    return [None] * n, [None] * n, gw, gg, groute
+
+
+depth_mix_op.register_autograd(_depth_mix_op_backward, setup_context=_depth_mix_setup)
+
+
+@torch.library.custom_op('depthbench::depth_read', mutates_args=())
+def depth_read_op(q: torch.Tensor, depth_k: list[torch.Tensor], depth_v: list[torch.Tensor], scale: float,
+                  route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`depth_read_forward` as one opaque op: (y, lse, a). Slot j's key and value sit on route
+    slot j, width 2 hd ([K_j, V_j])."""
+    with no_autocast(q):
+        return depth_read_forward(q, scale, depth_k, depth_v)
+
+
+@depth_read_op.register_fake
+def _(q, depth_k, depth_v, scale, route):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=acc), q.new_empty((len(depth_k),) + q.shape[:-1], dtype=acc)
+
+
+@torch.library.custom_op('depthbench::depth_read_backward', mutates_args=())
+def depth_read_backward_op(gy: torch.Tensor, glse: torch.Tensor, q: torch.Tensor, a: torch.Tensor,
+                           depth_k: list[torch.Tensor], depth_v: list[torch.Tensor], scale: float,
+                           n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`depth_read_backward` as one opaque op: (gq, the route's gradient (n_slots, B, H_kv, T,
+    2 hd) in fp32, slot j = [gK_j, gV_j] for j < S, zero after)."""
+    with no_autocast(q):
+        gq, gK, gV = depth_read_backward(q, a, depth_k, depth_v, scale, gy, glse)
+        hd = q.size(-1)
+        g = a.new_zeros((n_slots,) + depth_k[0].shape[:-1] + (2 * hd,))
+        for j in range(len(depth_k)):
+            g[j, ..., :hd], g[j, ..., hd:] = gK[j], gV[j]
+    return gq, g
+
+
+@depth_read_backward_op.register_fake
+def _(gy, glse, q, a, depth_k, depth_v, scale, n_slots):
+    return torch.empty_like(q), a.new_empty((n_slots,) + depth_k[0].shape[:-1] + (2 * q.size(-1),))
+
+
+def _depth_read_setup(ctx, inputs, output):
+    q, depth_k, depth_v, scale, route = inputs
+    ctx.S, ctx.scale, ctx.n_slots = len(depth_k), scale, route.size(0)
+    ctx.save_for_backward(q, output[2], *depth_k, *depth_v)
+    ctx.mark_non_differentiable(output[2])
+
+
+def _depth_read_op_backward(ctx, gy, glse, ga):
+    q, a, *slots = ctx.saved_tensors
+    S = ctx.S
+    gy = torch.zeros_like(q) if gy is None else gy
+    glse = torch.zeros_like(a[0]) if glse is None else glse
+    gq, groute = depth_read_backward_op(gy, glse, q, a, slots[:S], slots[S:], ctx.scale, ctx.n_slots)
+    return gq, [None] * S, [None] * S, None, groute
+
+
+depth_read_op.register_autograd(_depth_read_op_backward, setup_context=_depth_read_setup)
 
 
 # ---- Hyper-Connections: routing projection, Sinkhorn -------------------------
@@ -337,43 +538,56 @@ class DepthReadFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, scale, *slots):
         S = len(slots) // 2
-        K, V = slots[:S], slots[S:]
-        acc = torch.promote_types(q.dtype, torch.float32)
-        qa = q.to(acc)                                                                       # scores in fp32 (no-op for fp32)
-        d = torch.stack([torch.linalg.vecdot(qa, Kj.unsqueeze(2).to(acc)) for Kj in K]) * scale  # (S, B, H_kv, G, T)
-        lse = torch.logsumexp(d, dim=0)                                                     # (B, H_kv, G, T)
-        a = torch.exp(d - lse)                                                              # (S, B, H_kv, G, T)
-        y = torch.zeros(q.shape, dtype=acc, device=q.device)
-        for j, Vj in enumerate(V):  # in place: one buffer, not S fresh (B, H_kv, G, T, hd) tensors
-            y.addcmul_(a[j].unsqueeze(-1), Vj.unsqueeze(2))
+        y, lse, a = depth_read_forward(q, scale, slots[:S], slots[S:])
         ctx.scale = scale
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, a, *slots)
-        return y.to(q.dtype), lse
+        return y, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy, glse):
         q, a, *slots = ctx.saved_tensors
         S = len(slots) // 2
-        K, V = slots[:S], slots[S:]
-        acc, G = a.dtype, q.size(2)
-        group_sum = (lambda t: t.squeeze(2)) if G == 1 else (lambda t: t.sum(2))  # over the query heads of a K/V head
-        if gy is None:
-            p = torch.zeros_like(a)
-        else:
-            gy = gy.to(acc)
-            p = torch.stack([torch.linalg.vecdot(gy, Vj.unsqueeze(2).to(acc)) for Vj in V])  # (S, B, H_kv, G, T)
-        gd = p - (a * p).sum(0, keepdim=True)
-        if glse is not None:
-            gd = gd + glse
-        gd = a * gd * ctx.scale                                                              # (S, B, H_kv, G, T)
-        gq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        for j, Kj in enumerate(K):
-            gq.addcmul_(gd[j].unsqueeze(-1), Kj.unsqueeze(2))
-        gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
-        gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
-        return (gq.to(q.dtype), None, *gK, *gV)
+        gq, gK, gV = depth_read_backward(q, a, slots[:S], slots[S:], ctx.scale, gy, glse)
+        return (gq, None, *gK, *gV)
+
+
+def depth_read_forward(q, scale, K, V):
+    """DepthReadFunction's forward on plain tensors: y (B, H_kv, G, T, hd) in q's dtype,
+    lse (B, H_kv, G, T) and the weights a (S, B, H_kv, G, T), both fp32."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qa = q.to(acc)                                                                       # scores in fp32 (no-op for fp32)
+    d = torch.stack([torch.linalg.vecdot(qa, Kj.unsqueeze(2).to(acc)) for Kj in K]) * scale  # (S, B, H_kv, G, T)
+    lse = torch.logsumexp(d, dim=0)                                                     # (B, H_kv, G, T)
+    a = torch.exp(d - lse)                                                              # (S, B, H_kv, G, T)
+    y = torch.zeros(q.shape, dtype=acc, device=q.device)
+    for j, Vj in enumerate(V):  # in place: one buffer, not S fresh (B, H_kv, G, T, hd) tensors
+        y.addcmul_(a[j].unsqueeze(-1), Vj.unsqueeze(2))
+    return y.to(q.dtype), lse, a
+
+
+def depth_read_backward(q, a, K, V, scale, gy, glse):
+    """DepthReadFunction's backward on plain tensors (formulas in its docstring): gy
+    (B, H_kv, G, T, hd) and glse (B, H_kv, G, T), either None, -> gq like q, gK and gV:
+    S x (B, H_kv, T, hd) in the slots' dtypes (gV None where gy is None)."""
+    acc, G = a.dtype, q.size(2)
+    group_sum = (lambda t: t.squeeze(2)) if G == 1 else (lambda t: t.sum(2))  # over the query heads of a K/V head
+    if gy is None:
+        p = torch.zeros_like(a)
+    else:
+        gy = gy.to(acc)
+        p = torch.stack([torch.linalg.vecdot(gy, Vj.unsqueeze(2).to(acc)) for Vj in V])  # (S, B, H_kv, G, T)
+    gd = p - (a * p).sum(0, keepdim=True)
+    if glse is not None:
+        gd = gd + glse
+    gd = a * gd * scale                                                                  # (S, B, H_kv, G, T)
+    gq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    for j, Kj in enumerate(K):
+        gq.addcmul_(gd[j].unsqueeze(-1), Kj.unsqueeze(2))
+    gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
+    gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
+    return gq.to(q.dtype), gK, gV
 
 
 # the fused CPU attention kernel that also returns the log-sum-exp of each query's scores
@@ -424,7 +638,7 @@ class MergeDepthFunction(torch.autograd.Function):
         return gq, gk, gv, g_y_dep, g_lse_dep, None
 
 
-def depth_attention(q, k, v, depth_k, depth_v, method=None):
+def depth_attention(q, k, v, depth_k, depth_v, method=None, route=None):
     """The joint sequence-and-depth attention of MoDA (arXiv 2603.15619; paper Appendix A; docs/schemes.md):
 
         a_t = softmax([q_t . k_s, s <= t  |  q_t . K_depth[t, j], j < S] / sqrt(hd))
@@ -451,6 +665,8 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None):
     q: (B, H, T, hd) after RoPE; k: (B, H_kv, T, hd) after RoPE; v: (B, H_kv, T, hd);
     depth_k, depth_v: sequences of S >= 0 slots (B, H_kv, T, hd) (S = 0: plain causal
     attention). GQA: query head i reads key/value head i // (H / H_kv). Returns y (B, H, T, hd).
+    route: None (eager), or under torch.compile the `open_route` whose slots 0..S-1 hold the
+    depth slots ([K_j, V_j], `route_write`): the depth read is then one opaque op.
     Raises ValueError for shapes that do not fit the above, an unknown method, or
     'flash_cpu' off the CPU or without the kernel.
     `depth_attention_reference` is the same function written as the plain formula."""
@@ -467,7 +683,11 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None):
     if S == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     scale = hd ** -0.5
-    y_dep, lse = DepthReadFunction.apply(q.view(B, Hkv, H // Hkv, T, hd), scale, *depth_k, *depth_v)
+    q5 = q.view(B, Hkv, H // Hkv, T, hd)
+    if route is None:
+        y_dep, lse = DepthReadFunction.apply(q5, scale, *depth_k, *depth_v)
+    else:
+        y_dep, lse, _ = depth_read_op(q5, list(depth_k), list(depth_v), scale, route)
     y_dep, lse = y_dep.view(B, H, T, hd), lse.view(B, H, T)
     if method == 'null_key':
         return merge_null_key(q, k, v, y_dep, lse, scale)

@@ -43,7 +43,8 @@ import torch
 import torch.nn as nn
 
 from model import RMSNorm, apply_rope
-from ops import NormedProjection, check_sinkhorn_iters, depth_attention, depth_mix, no_autocast, sinkhorn_leading
+from ops import (NormedProjection, check_sinkhorn_iters, depth_attention, depth_mix, no_autocast, open_route,
+                 route_write, sinkhorn_leading)
 
 
 class Residual(nn.Module):
@@ -173,8 +174,8 @@ class DepthMixer(nn.Module):
         self.query = nn.Parameter(torch.zeros(cfg.n_embd))
         self.key_norm = RMSNorm(cfg.n_embd, cfg.attnres_eps)  # its eps is the 1/rms the state carries
 
-    def forward(self, sources, inv_rmses):
-        return depth_mix(sources, inv_rmses, self.query, self.key_norm.weight)
+    def forward(self, sources, inv_rmses, route=None):
+        return depth_mix(sources, inv_rmses, self.query, self.key_norm.weight, route)
 
 
 class AttnResLayer(PreNormLayer):
@@ -208,8 +209,10 @@ class AttnRes(Residual):
     norm (with norm_f's gain, `readout`) use cfg.attnres_eps; block 0's attention norm on
     the embedding alone keeps cfg.norm_eps (1e-6). attnres_eps = norm_eps gives one eps.
 
-    State: (sources, their 1/rms, mix) where mix is the raw depth mix the next block's
-    attention reads: probe and lens state z_l (docs/probes.md, depth and lens states).
+    State: (sources, their 1/rms, mix, route) where mix is the raw depth mix the next block's
+    attention reads (probe and lens state z_l, docs/probes.md, depth and lens states) and
+    route is None, or under torch.compile the route of the sources' gradients
+    (ops.open_route: source i on slot i), which makes every read one op of the compiled graph.
     Skip rule (docs/probes.md): a skipped block adds no sources, and the next read is the
     identity on the newest source. Unlike the study's code, skipping block 0 does not put
     the embedding into the bank twice.
@@ -226,29 +229,35 @@ class AttnRes(Residual):
             nn.init.zeros_(layer.out_mix.query)
 
     def begin(self, x):
-        return (x,), (inv_rms(x, self.cfg.attnres_eps),), x
+        s = inv_rms(x, self.cfg.attnres_eps)
+        route = route_write(open_route(x, 2 * self.cfg.n_layer + 1, x.size(-1) + 1), 0, x, s)
+        return (x,), (s,), x, route
 
     def attn_input(self, p, mix, embedding_only):
         """The attention input of a block with parameters p: its attn_norm on the embedding
         alone (the study's block 0, eps cfg.norm_eps), else on a read's result (attnres_eps)."""
         return p.attn_norm(mix) if embedding_only else rms_norm_eps(mix, p.attn_norm, self.cfg.attnres_eps)
 
+    def add_source(self, sources, inv_rmses, route, f):
+        s = inv_rms(f, self.cfg.attnres_eps)
+        return sources + (f,), inv_rmses + (s,), route_write(route, len(sources), f, s)
+
     def block(self, state, b, layer, rope):
-        sources, inv_rmses, mix = state
+        sources, inv_rmses, mix, route = state
         p, eps = self.layers[b], self.cfg.attnres_eps
         f = layer.attn(self.attn_input(p, mix, len(sources) == 1), rope)
-        sources, inv_rmses = sources + (f,), inv_rmses + (inv_rms(f, eps),)
-        z, a = p.mlp_mix(sources, inv_rmses)
+        sources, inv_rmses, route = self.add_source(sources, inv_rmses, route, f)
+        z, a = p.mlp_mix(sources, inv_rmses, route)
         self.record(b, 1, weights=a)
         f = layer.mlp(rms_norm_eps(z, p.mlp_norm, eps))
-        sources, inv_rmses = sources + (f,), inv_rmses + (inv_rms(f, eps),)
-        mix, a = p.out_mix(sources, inv_rmses)
+        sources, inv_rmses, route = self.add_source(sources, inv_rmses, route, f)
+        mix, a = p.out_mix(sources, inv_rmses, route)
         self.record(b + 1, 0, weights=a)  # the read of the next block's attention (or the final one)
-        return sources, inv_rmses, mix
+        return sources, inv_rmses, mix, route
 
     def skip(self, state, b):
-        sources, inv_rmses, _ = state
-        return sources, inv_rmses, sources[-1]
+        sources, inv_rmses, _, route = state
+        return sources, inv_rmses, sources[-1], route
 
     def end(self, state):
         return state[2]
@@ -974,11 +983,13 @@ class MoDA(Residual):
     as in the study where swaps exchange weights and positions stay. Block L-1 has no
     W_kv: if an order runs it before the end, its FFN slot stays zero.
 
-    State (h, depth K, depth V, p): the depth cache, K and V, is a tuple of 2L slots
+    State (h, depth K, depth V, p, route): the depth cache, K and V, is a tuple of 2L slots
     (B, H_kv, T, hd) allocated once as one shared zero tensor; a write replaces a slot's
     reference (no copy, no per-block concatenation) and never modifies a tensor in place, so
     prefix states can be reused and autograd's saved slots stay valid. A read loops over
-    the slots (`ops.DepthReadFunction`). probe = lens = h (docs/probes.md, depth states).
+    the slots (`ops.DepthReadFunction`); under torch.compile it is one opaque op and the
+    slots' gradients come back along `route` (ops.open_route: slot j's [K_j, V_j] on route
+    slot j; None in eager). probe = lens = h (docs/probes.md, depth states).
     Skip rule (docs/probes.md): a skipped block leaves h unchanged and writes nothing into
     its two slots, which stay zero and still take softmax mass exp(q . 0) = 1 with a zero
     value (a skipped block differs from a dropped one, which takes no slots).
@@ -1003,34 +1014,34 @@ class MoDA(Residual):
         B, T, _ = x.shape
         zero = x.new_zeros(B, cfg.n_kv_head, T, cfg.n_embd // cfg.n_head)  # (B, H_kv, T, hd)
         slots = (zero,) * (2 * cfg.n_layer)
-        return x, slots, slots, 0
+        return x, slots, slots, 0, open_route(zero, 2 * cfg.n_layer, 2 * zero.size(-1))
 
     def _next(self, state):
-        h, K, V, p = state
+        h, K, V, p, route = state
         if 2 * p + 2 > len(K):
             raise ValueError(f"MoDA's depth cache has {len(K)} slots: an order may run or skip "
                              f"at most n_layer={self.cfg.n_layer} blocks")
-        return h, K, V, p
+        return h, K, V, p, route
 
     def block(self, state, b, layer, rope):
-        h, K, V, p = self._next(state)
+        h, K, V, p, route = self._next(state)
         B, T, _ = h.shape
         cfg, attn, prm = self.cfg, layer.attn, self.layers[b]
         q, k, v = attn.qkv(prm.attn_norm(h))  # (B, H, T, hd), (B, H_kv, T, hd) x2, before RoPE
         S = 2 * p if self.use_depth else 0    # the depth slots this block reads
         cos, sin = rope
-        y = depth_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, K[:S], V[:S])
+        y = depth_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, K[:S], V[:S], route=route)
         h = h + attn.out(y)
-        K, V = put_slot(K, 2 * p, k), put_slot(V, 2 * p, v)
+        K, V, route = put_slot(K, 2 * p, k), put_slot(V, 2 * p, v), route_write(route, 2 * p, k, v)
         x = prm.mlp_norm(h)
         if prm.depth_kv is not None:
             dk, dv = prm.depth_kv(x).view(B, T, 2, cfg.n_kv_head, -1).permute(2, 0, 3, 1, 4)  # 2x (B, H_kv, T, hd)
-            K, V = put_slot(K, 2 * p + 1, dk), put_slot(V, 2 * p + 1, dv)
-        return h + layer.mlp(x), K, V, p + 1
+            K, V, route = put_slot(K, 2 * p + 1, dk), put_slot(V, 2 * p + 1, dv), route_write(route, 2 * p + 1, dk, dv)
+        return h + layer.mlp(x), K, V, p + 1, route
 
     def skip(self, state, b):
-        h, K, V, p = self._next(state)
-        return h, K, V, p + 1
+        h, K, V, p, route = self._next(state)
+        return h, K, V, p + 1, route
 
     def end(self, state):
         return state[0]
