@@ -94,6 +94,7 @@ compile_schemes = 'preln,attnres,blockattnres,hc,mhc,moda'  # --suite=compile: s
 tiny = False  # --suite=gpu: toy shapes instead of the 400M ones (the CPU test of the suite)
 gpu_steps = 10  # --suite=gpu: timed training steps per measurement after the first
 compile_steps = 5  # --suite=compile: timed compiled training steps after the first (compiling) one
+unroll_depth_reads = False  # --suite=compile: trace the AttnRes/MoDA reads' loops (ops.UNROLL_DEPTH_READS: compile O(L^2))
 
 # Time budget per scheme against Pre-LN: HC/mHC (m streams) and (Block) AttnRes (depth
 # attention over all earlier sublayers) have flat bounds; every other scheme, MoDA included,
@@ -504,14 +505,15 @@ def cpu_seconds():
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 
-def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337):
+def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337, unroll=False):
     """Compiles one training step (forward + backward + AdamW) of GPT(**cfg_kw) with
     torch.compile and times it. Run in a fresh process with a fresh inductor cache
     (`compile_suite` does) for a cold-cache number. Returns a dict: compile_s (wall seconds
     of the first step), compile_cpu_s (CPU seconds of it, compiler children included),
     step_ms (median of `steps` later steps), graphs, graph_breaks, recompiles (graphs
-    compiled after the first step)."""
-    from torch._dynamo.utils import counters
+    compiled after the first step). unroll: ops.UNROLL_DEPTH_READS for this process."""
+    import ops
+    ops.UNROLL_DEPTH_READS = unroll
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype_name]
     ctx = nullcontext() if dtype_name == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
     torch.manual_seed(seed_)
@@ -546,11 +548,12 @@ def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337):
     return res
 
 
-def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print):
+def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print, unroll=False):
     """`compile_one` for every scheme at every depth, each in a fresh Python process with a
     fresh, empty inductor cache (TORCHINDUCTOR_CACHE_DIR) and compiling in-process
     (TORCHINDUCTOR_COMPILE_THREADS=1, so compile_cpu_s counts the compiler). Depth-major
     order (every scheme at L = 4, then at 8, ...), so a run cut short still has whole rows.
+    unroll: compile_one's (the AttnRes/MoDA reads traced as loops, not opaque ops).
     Returns rows {scheme, n_layer, ...compile_one's dict, cpu_vs_preln, step_vs_preln}."""
     import subprocess
     import tempfile
@@ -561,7 +564,7 @@ def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threa
             kw = {**cfg_kw, 'n_layer': L, 'residual': name}
             code = (f"import json, torch, bench; torch.set_num_threads({threads_ or 1}); "
                     f"print('RESULT', json.dumps(bench.compile_one({kw!r}, {batch}, {dtype_name!r}, "
-                    f"torch.device({str(dev)!r}), {steps})))")
+                    f"torch.device({str(dev)!r}), {steps}, unroll={unroll!r})))")
             with tempfile.TemporaryDirectory(prefix='inductor_cold_') as cache:
                 env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1',
                        'OMP_NUM_THREADS': str(threads_ or 1)}
@@ -854,9 +857,11 @@ def main(argv=None):
         cnames = [s.strip() for s in o.compile_schemes.split(',') if s.strip()]
         cnames = ['preln'] + [s for s in dict.fromkeys(cnames) if s != 'preln']
         print(f"bench --suite=compile: {', '.join(cnames)} at L = {', '.join(map(str, layers))}, d={o.n_embd} "
-              f"T={o.block_size} B={o.batch_size} on {dev} ({dt}), cold inductor cache per compile")
+              f"T={o.block_size} B={o.batch_size} on {dev} ({dt}), cold inductor cache per compile"
+              + (", depth reads unrolled" if o.unroll_depth_reads else ""))
         ckw = {k: v for k, v in cfg_kw.items() if k != 'batch_size'}
-        rows = compile_suite(cnames, layers, ckw, o.batch_size, dt, dev, o.compile_steps, o.threads)
+        rows = compile_suite(cnames, layers, ckw, o.batch_size, dt, dev, o.compile_steps, o.threads,
+                             unroll=o.unroll_depth_reads)
         print(format_compile_table(rows))
         if o.out:
             write_json(o.out, dict(suite='compile', config=c, dtype=dt, environment=environment(dev), rows=rows,
