@@ -745,7 +745,8 @@ def saved_activation_bytes(model, idx, targets, ctx=None):
 PROBE_TOKENS = 64  # sequence length of the one-sequence forward that measures saved bytes per token
 
 
-def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_tokens=PROBE_TOKENS, model=None):
+def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_tokens=PROBE_TOKENS, model=None,
+                 compiled=False):
     """Predicted peak training memory (bytes) of GPTConfig `cfg` at micro-batch `batch` x
     `seq_len` tokens, with fp32 weights and AdamW, as a dict:
       params      4 N   (fp32 weights; autocast casts on the fly)
@@ -759,6 +760,11 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
                   (tests/test_memory.py checks it for every scheme within 10%);
       logits_grad 4 B T V (the fp32 gradient of the logits, alive with all activations at
                   the start of the backward);
+      read_workspace  with compiled=True, for schemes whose depth reads return their
+                  gradients along a route under torch.compile (AttnRes, MoDA; ops.py): 3 x
+                  the route's gradient, B T x `route_bytes_per_token()` (the read's own, the
+                  one passed on, their sum; the sources stacked inside the op fit in the
+                  same bound). 0 otherwise;
       total       their sum: the peak, as the backward begins.
     `model`: an existing GPT of this config on `device` to probe (none is built then).
     Compiled models usually save less (inductor recomputes cheap ops): an upper bound there."""
@@ -772,10 +778,11 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
     ctx = None if ptdtype == torch.float32 else torch.autocast(device_type=dev.type, dtype=ptdtype)
     idx = torch.zeros(1, T, dtype=torch.long, device=dev)
     probe = saved_activation_bytes(model, idx, idx, ctx)
+    route = model.residual.route_bytes_per_token() if compiled else 0
     if own:
         del model
     out = dict(params=4 * n, grads=4 * n, adamw=8 * n, activations=probe * batch * seq_len / T,
-               logits_grad=4 * batch * seq_len * cfg.vocab_size)
+               logits_grad=4 * batch * seq_len * cfg.vocab_size, read_workspace=3 * route * batch * seq_len)
     out['total'] = sum(out.values())
     out['activations_per_token'] = probe / T
     return out
@@ -806,19 +813,22 @@ def format_memory(mem, device_bytes=None):
     g = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
     line = (f"predicted peak training memory {g(mem['total'])} GiB = weights {g(mem['params'])} + grads "
             f"{g(mem['grads'])} + AdamW {g(mem['adamw'])} + activations {g(mem['activations'])} + logits grad "
-            f"{g(mem['logits_grad'])}")
+            f"{g(mem['logits_grad'])}" + (f" + depth-read workspace {g(mem['read_workspace'])}"
+                                          if mem.get('read_workspace') else ''))
     return line + (f" (device: {g(device_bytes)} GiB)" if device_bytes else '')
 
 
-def memory_main(path, device='cpu', dtype='float32', budget_gib=None):
+def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=None):
     """cost.py --memory=CONFIG: prints the predicted peak of a train.py config file (its
     model, batch_size, gradient_accumulation_steps and block_size; train.py's defaults for
     what it leaves out, vocab 50280 unless it sets vocab_size) at its micro-batch, and with
-    budget_gib the micro-batch train.py --auto_batch=True would choose. Returns the dict."""
+    budget_gib the micro-batch train.py --auto_batch=True would choose. compiled: whether
+    to count the compiled depth reads' workspace; None = the config's `compile`, and on
+    when it leaves that to train.py (which compiles on CUDA, where this is for). Returns the dict."""
     from dataclasses import fields
     if not os.path.exists(path):
         raise ValueError(f"config file {path} not found")
-    ns = dict(batch_size=8, block_size=1024, gradient_accumulation_steps=8, vocab_size=None)
+    ns = dict(batch_size=8, block_size=1024, gradient_accumulation_steps=8, vocab_size=None, compile=None)
     exec(compile(open(path).read(), path, 'exec'), {}, ns)
     names = {f.name for f in fields(GPTConfig)}
     kw = {k: v for k, v in ns.items() if k in names and v is not None}
@@ -828,11 +838,12 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None):
     print(f"{path}: {cfg.residual} L={cfg.n_layer} d={cfg.n_embd}, micro-batch {B} x {T} tokens, "
           f"{param_count(cfg):,} parameters; activations probed on {device} ({dtype})")
     model = GPT(cfg).to(device)
-    mem = train_memory(cfg, B, T, device, dtype, model=model)
+    compiled = (ns['compile'] is not False) if compiled is None else compiled
+    mem = train_memory(cfg, B, T, device, dtype, model=model, compiled=compiled)
     print(format_memory(mem))
     if budget_gib:
         fixed = mem['params'] + mem['grads'] + mem['adamw']
-        per_seq = (mem['activations'] + mem['logits_grad']) / B
+        per_seq = (mem['activations'] + mem['logits_grad'] + mem['read_workspace']) / B
         b, acc = auto_micro_batch(B * ns['gradient_accumulation_steps'], lambda b: fixed + b * per_seq,
                                   budget_gib * 2**30)
         print(f"in {budget_gib:g} GiB: micro-batch {b}, gradient_accumulation_steps {acc} (global batch unchanged)")
@@ -877,10 +888,14 @@ def main(argv=None):
                    help='instead: the predicted peak training memory of a train.py config at its micro-batch')
     p.add_argument('--budget_gib', type=float, default=None,
                    help='with --memory: the micro-batch that fits this many GiB (as train.py --auto_batch=True)')
+    p.add_argument('--compiled', choices=('True', 'False'), default=None,
+                   help="with --memory: count the compiled depth reads' workspace (default: the config's compile, "
+                        "on if it leaves that to train.py)")
     args = p.parse_args(argv)
     if args.memory:
         try:
-            memory_main(args.memory, args.device, args.dtype or 'float32', args.budget_gib)
+            memory_main(args.memory, args.device, args.dtype or 'float32', args.budget_gib,
+                        None if args.compiled is None else args.compiled == 'True')
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

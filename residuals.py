@@ -66,6 +66,12 @@ class Residual(nn.Module):
             if isinstance(m, (RMSNorm, nn.LayerNorm)):
                 m.reset_parameters()
 
+    def route_bytes_per_token(self):
+        """Bytes per token of one gradient of this scheme's route, the way its depth reads
+        return their sources' gradients under torch.compile (ops.open_route); 0 for schemes
+        without one. cost.train_memory counts the backward's workspace from it."""
+        return 0
+
     def no_weight_decay(self):
         """Names (relative to this module) of the parameters exempt from weight decay in
         every mode of GPT.configure_optimizers (the study's exemptions: HC/mHC static
@@ -227,6 +233,9 @@ class AttnRes(Residual):
         for layer in self.layers:  # the zero init that makes every first read a uniform mean
             nn.init.zeros_(layer.mlp_mix.query)
             nn.init.zeros_(layer.out_mix.query)
+
+    def route_bytes_per_token(self):
+        return (2 * self.cfg.n_layer + 1) * (self.cfg.n_embd + 1) * 4  # 2L + 1 slots of [v_i, 1/rms_i], fp32
 
     def begin(self, x):
         s = inv_rms(x, self.cfg.attnres_eps)
@@ -649,6 +658,9 @@ class BlockAttnRes(AttnRes):
                              f"{[n for n in range(1, n_sub + 1) if n_sub % n == 0]}")
         self.group_size = n_sub // n_blocks  # S, sublayers per AttnRes block
 
+    def route_bytes_per_token(self):
+        return 0  # at most attnres_blocks + 2 sources per read: compiled as traced loops, no route
+
     def freeze(self, sources, inv_rmses, partial):
         """Appends the partial sum (if any) to the sources as a frozen block."""
         if partial is None:
@@ -1008,6 +1020,10 @@ class MoDA(Residual):
         for p in self.layers:
             if p.depth_kv is not None:  # like every backbone Linear
                 nn.init.trunc_normal_(p.depth_kv.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def route_bytes_per_token(self):
+        cfg = self.cfg  # 2L slots of [K_j, V_j], (H_kv, 2 hd) per token, fp32
+        return 2 * cfg.n_layer * cfg.n_kv_head * 2 * (cfg.n_embd // cfg.n_head) * 4
 
     def begin(self, x):
         cfg = self.cfg

@@ -468,12 +468,13 @@ if auto_batch or device_type == 'cuda':  # the predicted peak memory, and the mi
     import cost
     device_bytes = memory_gib * 2**30 if memory_gib else \
         torch.cuda.get_device_properties(device).total_memory if device_type == 'cuda' else None
-    mem = cost.train_memory(raw_model.config, batch_size, block_size, device, dtype, model=raw_model)
+    mem = cost.train_memory(raw_model.config, batch_size, block_size, device, dtype, model=raw_model,
+                            compiled=compile)
     print0(cost.format_memory(mem, device_bytes))
     if auto_batch:
         if device_bytes is None or fsdp:
             fail("auto_batch=True needs the device's memory (--memory_gib=... off CUDA) and no FSDP")
-        per_seq = (mem['activations'] + mem['logits_grad']) / batch_size
+        per_seq = (mem['activations'] + mem['logits_grad'] + mem['read_workspace']) / batch_size
         try:
             batch_size, gradient_accumulation_steps = cost.auto_micro_batch(
                 batch_size * gradient_accumulation_steps, lambda b: mem['total'] + (b - batch_size) * per_seq,

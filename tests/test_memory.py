@@ -39,6 +39,28 @@ def test_predicted_activations_match_measured_saved_bytes(residual):
     assert pred == pytest.approx(measured, rel=0.10)
 
 
+@pytest.mark.parametrize('residual', list(RESIDUALS))
+def test_compiled_read_workspace_is_three_route_gradients(residual, monkeypatch):
+    """With compiled=True the workspace term is 3 x the bytes of the route the scheme opens
+    under torch.compile (built here by calling begin as if compiling, so the formula in
+    route_bytes_per_token is checked against the real tensor); 0 without a route or when
+    not compiled. AttnRes and MoDA have one."""
+    cfg = tiny(residual, n_kv_head=1)
+    model = GPT(cfg)
+    B, T = 3, 40
+    monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
+    state = model.residual.begin(torch.zeros(B, T, cfg.n_embd))
+    route = [s for s in (state if isinstance(state, tuple) else ()) if isinstance(s, torch.Tensor)
+             and s.dim() >= 4 and s.stride()[0] == 0]  # the zero-stride route, if any
+    monkeypatch.undo()
+    mem = cost.train_memory(cfg, B, T, probe_tokens=8, model=model, compiled=True)
+    assert (len(route) == 1) == (residual in ('attnres', 'moda'))
+    want = 3 * route[0].numel() * route[0].element_size() if route else 0
+    assert mem['read_workspace'] == want
+    assert mem['total'] == pytest.approx(sum(v for k, v in mem.items() if k not in ('total', 'activations_per_token')))
+    assert cost.train_memory(cfg, B, T, probe_tokens=8, model=model)['read_workspace'] == 0
+
+
 def test_weights_grads_and_adamw_state_are_16_bytes_per_parameter():
     """params + grads + AdamW from the formula against the tensors after one real step."""
     cfg = tiny('hc')
