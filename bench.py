@@ -687,14 +687,15 @@ def sdpa_null_key_check(dev, dtype_, B, H, T, hd, iters=10):
     return out
 
 
-def fitting_batch(cfg, dev, dtype_name, budget, cap):
-    """The largest power-of-2 micro-batch <= cap whose predicted peak (cost.train_memory)
-    fits `budget` bytes (1 if none does), and that prediction in bytes."""
+def fitting_batch(cfg, dev, dtype_name, budget, cap, compiled=False):
+    """The largest power-of-2 micro-batch <= cap whose predicted peak (cost.train_memory,
+    with the compiled depth reads' workspace if `compiled`) fits `budget` bytes (1 if none
+    does), and that prediction in bytes."""
     torch.manual_seed(0)
     model = GPT(cfg).to(dev)
-    mem = cost.train_memory(cfg, 1, cfg.block_size, dev, dtype_name, model=model)
+    mem = cost.train_memory(cfg, 1, cfg.block_size, dev, dtype_name, model=model, compiled=compiled)
     del model
-    per_seq = mem['activations'] + mem['logits_grad']
+    per_seq = mem['activations'] + mem['logits_grad'] + mem['read_workspace']
     b = 1
     while b * 2 <= cap and mem['total'] + (2 * b - 1) * per_seq <= budget:
         b *= 2
@@ -760,7 +761,7 @@ def gpu_suite(dev, dtype_name, compile_, tiny, steps, schemes_=GPU_SCHEMES, log=
         f"{res['moda_attention']['plain_ms']:.2f} ms")
     # 4. 30 optimizer steps of config/attnres_L32.py's model at the micro-batch that fits
     cfg = GPTConfig(**shapes['l32'], residual='attnres')
-    fit, _ = fitting_batch(cfg, dev, dtype_name, budget, cap)
+    fit, _ = fitting_batch(cfg, dev, dtype_name, budget, cap, compiled=compile_)  # these steps run compiled
     torch.manual_seed(0)
     model = GPT(cfg).to(dev)
     r = timed_steps(model, fit, dev, ctx, 29, compile_)

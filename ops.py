@@ -89,11 +89,13 @@ def depth_mix_forward(query, key_gain, sources, inv_rmses):
     return z.to(dtype), a, r
 
 
-def depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, ga, needs=None):
+def depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, ga, needs=None, out=None):
     """DepthMixFunction's backward on plain tensors (formulas in its docstring): gz (B, T, d)
     and ga (n, B, T), either None, -> gw, gg (d,), gv: n x (B, T, d), gs: n x (B, T, 1), each
     in its input's dtype. `needs`: needs_input_grad of (query, key_gain, *sources,
-    *inv_rmses); a gradient not needed is None (default: all are computed)."""
+    *inv_rmses); a gradient not needed is None (default: all are computed). out: a route's
+    gradient (N >= n, B, T, d + 1) in r's dtype to write slot i = [gv_i, gs_i] into, one
+    source at a time (no n (B, T, d) tensors alive at once); gv and gs are then None."""
     n = len(sources)
     needs = needs or (True,) * (2 + 2 * n)
     need_w, need_g = needs[:2]
@@ -108,10 +110,16 @@ def depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, ga, needs=Non
         p = p + ga
     ge = a * (p - (a * p).sum(0, keepdim=True))                             # (n, B, T)
     c = ge * s                                                              # (n, B, T), reaches r
-    gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
-          for i, v in enumerate(sources)]                                   # n x (B, T, d)
-    gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
-          for i in range(n)]                                                # n x (B, T, 1)
+    if out is not None:
+        gv = gs = None
+        for i in range(n):
+            out[i, ..., :-1].copy_(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u)
+            out[i, ..., -1] = ge[i] * r[i]
+    else:
+        gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
+              for i, v in enumerate(sources)]                               # n x (B, T, d)
+        gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
+              for i in range(n)]                                            # n x (B, T, 1)
     gw = gg = None
     if need_w or need_g:
         d = u.numel()
@@ -249,19 +257,13 @@ def _(g, k):
 @torch.library.custom_op('depthbench::depth_mix', mutates_args=())
 def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], query: torch.Tensor,
                  key_gain: torch.Tensor, route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The read of `depth_mix_forward` as one opaque op: (z, a, r). Sources i < n sit on route
-    slots i; their gradients (and their 1/rms's) come back through the route, width d + 1.
-    Inside the op the sources are stacked, (n, B, T, d), a temporary (a handful of ops per
-    read instead of a few per source: 20% faster compiled steps on a CPU at L = 8)."""
+    """`depth_mix_forward` as one opaque op: (z, a, r). Sources i < n sit on route slots i;
+    their gradients (and their 1/rms's) come back through the route, width d + 1. The
+    loops over sources run eagerly inside: no (n, B, T, d) stack (a stacked form ran 20%
+    faster on a CPU at L = 8, d = 64, but keeps several such temporaries: 35 GB at the
+    400M L = 32 micro-batch)."""
     with no_autocast(query):
-        dtype = _promoted_dtype(sources)
-        acc = torch.promote_types(dtype, torch.float32)
-        u = query.to(acc) * key_gain.to(acc)                             # (d,)
-        V = torch.stack(sources).to(acc)                                 # (n, B, T, d), lives only in here
-        r = V @ u                                                        # (n, B, T)
-        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)          # (n, B, T)
-        a = torch.softmax(r * s, dim=0)
-        return (a.unsqueeze(-1) * V).sum(0).to(dtype), a, r
+        return depth_mix_forward(query, key_gain, sources, inv_rmses)
 
 
 @depth_mix_op.register_fake
@@ -276,27 +278,13 @@ def _(sources, inv_rmses, query, key_gain, route):
 def depth_mix_backward_op(gz: torch.Tensor, query: torch.Tensor, key_gain: torch.Tensor, r: torch.Tensor,
                           sources: list[torch.Tensor], inv_rmses: list[torch.Tensor],
                           n_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`depth_mix_backward` (the formulas of DepthMixFunction, on the stacked sources) as one
-    opaque op: (gw, gg, the route's gradient (n_slots, B, T, d + 1) in fp32, slot i =
-    [gv_i, gs_i] for i < n, zero after)."""
-    n, d, acc = len(sources), gz.size(-1), r.dtype
+    """`depth_mix_backward` as one opaque op: (gw, gg, the route's gradient (n_slots, B, T,
+    d + 1) in fp32, slot i = [gv_i, gs_i] for i < n, zero after)."""
     with no_autocast(query):
-        u = query.to(acc) * key_gain.to(acc)
-        V = torch.stack(sources).to(acc)                                 # (n, B, T, d)
-        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)          # (n, B, T)
-        a = torch.softmax(r * s, dim=0)
-        gz = gz.to(acc)
-        p = torch.linalg.vecdot(V, gz)                                   # (n, B, T)
-        ge = a * (p - (a * p).sum(0, keepdim=True))
-        c = ge * s
-        g = gz.new_empty((n_slots,) + gz.shape[:-1] + (d + 1,), dtype=acc)
-        g[n:].zero_()
-        gv = g[:n, ..., :d]
-        gv.copy_(a.unsqueeze(-1) * gz)
-        gv.addcmul_(c.unsqueeze(-1), u)                                  # gv_i = a_i gz + c_i u
-        g[:n, ..., d] = ge * r                                           # gs_i
-        gu = (c.reshape(1, -1) @ V.reshape(-1, d)).view(d)
-    return (gu * key_gain.to(acc)).to(query.dtype), (gu * query.to(acc)).to(key_gain.dtype), g
+        g = gz.new_empty((n_slots,) + gz.shape[:-1] + (gz.size(-1) + 1,), dtype=r.dtype)
+        g[len(sources):].zero_()
+        gw, gg, _, _ = depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, None, out=g)
+    return gw, gg, g
 
 
 @depth_mix_backward_op.register_fake
@@ -345,11 +333,9 @@ def depth_read_backward_op(gy: torch.Tensor, glse: torch.Tensor, q: torch.Tensor
     """`depth_read_backward` as one opaque op: (gq, the route's gradient (n_slots, B, H_kv, T,
     2 hd) in fp32, slot j = [gK_j, gV_j] for j < S, zero after)."""
     with no_autocast(q):
-        gq, gK, gV = depth_read_backward(q, a, depth_k, depth_v, scale, gy, glse)
-        hd = q.size(-1)
-        g = a.new_zeros((n_slots,) + depth_k[0].shape[:-1] + (2 * hd,))
-        for j in range(len(depth_k)):
-            g[j, ..., :hd], g[j, ..., hd:] = gK[j], gV[j]
+        g = a.new_empty((n_slots,) + depth_k[0].shape[:-1] + (2 * q.size(-1),))
+        g[len(depth_k):].zero_()
+        gq, _, _ = depth_read_backward(q, a, depth_k, depth_v, scale, gy, glse, out=g)
     return gq, g
 
 
@@ -589,10 +575,12 @@ def depth_read_forward(q, scale, K, V):
     return y.to(q.dtype), lse, a
 
 
-def depth_read_backward(q, a, K, V, scale, gy, glse):
+def depth_read_backward(q, a, K, V, scale, gy, glse, out=None):
     """DepthReadFunction's backward on plain tensors (formulas in its docstring): gy
     (B, H_kv, G, T, hd) and glse (B, H_kv, G, T), either None, -> gq like q, gK and gV:
-    S x (B, H_kv, T, hd) in the slots' dtypes (gV None where gy is None)."""
+    S x (B, H_kv, T, hd) in the slots' dtypes (gV None where gy is None). out: a route's
+    gradient (N >= S, B, H_kv, T, 2 hd) in a's dtype to write slot j = [gK_j, gV_j] into,
+    one slot at a time; gK and gV are then None."""
     acc, G = a.dtype, q.size(2)
     group_sum = (lambda t: t.squeeze(2)) if G == 1 else (lambda t: t.sum(2))  # over the query heads of a K/V head
     if gy is None:
@@ -607,6 +595,12 @@ def depth_read_backward(q, a, K, V, scale, gy, glse):
     gq = torch.zeros(q.shape, dtype=acc, device=q.device)
     for j, Kj in enumerate(K):
         gq.addcmul_(gd[j].unsqueeze(-1), Kj.unsqueeze(2))
+    if out is not None:
+        hd = q.size(-1)
+        for j in range(len(K)):
+            out[j, ..., :hd] = group_sum(gd[j].unsqueeze(-1) * q)
+            out[j, ..., hd:] = group_sum(a[j].unsqueeze(-1) * gy) if gy is not None else 0
+        return gq.to(q.dtype), None, None
     gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
     gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
     return gq.to(q.dtype), gK, gV
