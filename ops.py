@@ -89,13 +89,11 @@ def depth_mix_forward(query, key_gain, sources, inv_rmses):
     return z.to(dtype), a, r
 
 
-def depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, ga, needs=None, out=None):
+def depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, ga, needs=None):
     """DepthMixFunction's backward on plain tensors (formulas in its docstring): gz (B, T, d)
     and ga (n, B, T), either None, -> gw, gg (d,), gv: n x (B, T, d), gs: n x (B, T, 1), each
     in its input's dtype. `needs`: needs_input_grad of (query, key_gain, *sources,
-    *inv_rmses); a gradient not needed is None (default: all are computed). out: a route's
-    gradient (N >= n, B, T, d + 1) in r's dtype to write slot i = [gv_i, gs_i] into, one
-    source at a time (no n (B, T, d) tensors alive at once); gv and gs are then None."""
+    *inv_rmses); a gradient not needed is None (default: all are computed)."""
     n = len(sources)
     needs = needs or (True,) * (2 + 2 * n)
     need_w, need_g = needs[:2]
@@ -110,16 +108,10 @@ def depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, ga, needs=Non
         p = p + ga
     ge = a * (p - (a * p).sum(0, keepdim=True))                             # (n, B, T)
     c = ge * s                                                              # (n, B, T), reaches r
-    if out is not None:
-        gv = gs = None
-        for i in range(n):
-            out[i, ..., :-1].copy_(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u)
-            out[i, ..., -1] = ge[i] * r[i]
-    else:
-        gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
-              for i, v in enumerate(sources)]                               # n x (B, T, d)
-        gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
-              for i in range(n)]                                            # n x (B, T, 1)
+    gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
+          for i, v in enumerate(sources)]                                   # n x (B, T, d)
+    gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
+          for i in range(n)]                                                # n x (B, T, 1)
     gw = gg = None
     if need_w or need_g:
         d = u.numel()
@@ -254,16 +246,38 @@ def _(g, k):
     return g.new_empty(g.shape[1:])
 
 
+READ_CHUNK = 8  # sources (or depth slots) stacked at a time inside the opaque reads
+
+
+def chunks(n):
+    """(i, j) bounds of the READ_CHUNK-sized runs of range(n)."""
+    return [(i, min(i + READ_CHUNK, n)) for i in range(0, n, READ_CHUNK)]
+
+
+def stacked(tensors, i, j, dtype):
+    """tensors[i:j] stacked on a new first dim, in `dtype`: (j - i, ...), a temporary."""
+    return torch.stack(tensors[i:j]).to(dtype)
+
+
 @torch.library.custom_op('depthbench::depth_mix', mutates_args=())
 def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], query: torch.Tensor,
                  key_gain: torch.Tensor, route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`depth_mix_forward` as one opaque op: (z, a, r). Sources i < n sit on route slots i;
-    their gradients (and their 1/rms's) come back through the route, width d + 1. The
-    loops over sources run eagerly inside: no (n, B, T, d) stack (a stacked form ran 20%
-    faster on a CPU at L = 8, d = 64, but keeps several such temporaries: 35 GB at the
-    400M L = 32 micro-batch)."""
+    their gradients (and their 1/rms's) come back through the route, width d + 1.
+    Inside, the sources are stacked READ_CHUNK at a time: a few ops per chunk run eagerly
+    (one op per source was 6.8x Pre-LN's compiled step on a CPU at L = 32; all n stacked
+    at once keeps several (n, B, T, d) temporaries, 35 GB at the 400M L = 32 micro-batch)."""
+    n, dtype = len(sources), _promoted_dtype(sources)
+    acc = torch.promote_types(dtype, torch.float32)
     with no_autocast(query):
-        return depth_mix_forward(query, key_gain, sources, inv_rmses)
+        u = query.to(acc) * key_gain.to(acc)                                          # (d,)
+        r = torch.cat([stacked(sources, i, j, acc) @ u for i, j in chunks(n)])        # (n, B, T)
+        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                       # (n, B, T)
+        a = torch.softmax(r * s, dim=0)
+        z = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)        # (B, T, d)
+        for i, j in chunks(n):
+            z += (a[i:j].unsqueeze(-1) * stacked(sources, i, j, acc)).sum(0)
+    return z.to(dtype), a, r
 
 
 @depth_mix_op.register_fake
@@ -278,13 +292,26 @@ def _(sources, inv_rmses, query, key_gain, route):
 def depth_mix_backward_op(gz: torch.Tensor, query: torch.Tensor, key_gain: torch.Tensor, r: torch.Tensor,
                           sources: list[torch.Tensor], inv_rmses: list[torch.Tensor],
                           n_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`depth_mix_backward` as one opaque op: (gw, gg, the route's gradient (n_slots, B, T,
-    d + 1) in fp32, slot i = [gv_i, gs_i] for i < n, zero after)."""
+    """The backward of DepthMixFunction (formulas in its docstring), READ_CHUNK sources at a
+    time, as one opaque op: (gw, gg, the route's gradient (n_slots, B, T, d + 1) in fp32,
+    slot i = [gv_i, gs_i] for i < n, zero after)."""
+    n, d, acc = len(sources), gz.size(-1), r.dtype
     with no_autocast(query):
-        g = gz.new_empty((n_slots,) + gz.shape[:-1] + (gz.size(-1) + 1,), dtype=r.dtype)
-        g[len(sources):].zero_()
-        gw, gg, _, _ = depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, None, out=g)
-    return gw, gg, g
+        u = query.to(acc) * key_gain.to(acc)
+        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                       # (n, B, T)
+        a = torch.softmax(r * s, dim=0)
+        gz = gz.to(acc)
+        p = torch.cat([torch.linalg.vecdot(stacked(sources, i, j, acc), gz) for i, j in chunks(n)])  # (n, B, T)
+        ge = a * (p - (a * p).sum(0, keepdim=True))
+        c = ge * s
+        g = gz.new_empty((n_slots,) + gz.shape[:-1] + (d + 1,), dtype=acc)
+        g[n:].zero_()
+        gu = torch.zeros(d, dtype=acc, device=gz.device)
+        for i, j in chunks(n):  # slot i = [gv_i, gs_i] = [a_i gz + c_i u, ge_i r_i]
+            g[i:j, ..., :d].copy_(a[i:j].unsqueeze(-1) * gz).addcmul_(c[i:j].unsqueeze(-1), u)
+            gu += c[i:j].reshape(-1) @ stacked(sources, i, j, acc).reshape(-1, d)  # (d,)
+        g[:n, ..., d] = ge * r
+    return (gu * key_gain.to(acc)).to(query.dtype), (gu * query.to(acc)).to(key_gain.dtype), g
 
 
 @depth_mix_backward_op.register_fake
@@ -314,10 +341,19 @@ depth_mix_op.register_autograd(_depth_mix_op_backward, setup_context=_depth_mix_
 @torch.library.custom_op('depthbench::depth_read', mutates_args=())
 def depth_read_op(q: torch.Tensor, depth_k: list[torch.Tensor], depth_v: list[torch.Tensor], scale: float,
                   route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`depth_read_forward` as one opaque op: (y, lse, a). Slot j's key and value sit on route
-    slot j, width 2 hd ([K_j, V_j])."""
+    """`depth_read_forward` as one opaque op, READ_CHUNK slots stacked at a time: (y, lse, a).
+    Slot j's key and value sit on route slot j, width 2 hd ([K_j, V_j])."""
+    S, acc = len(depth_k), torch.promote_types(q.dtype, torch.float32)
     with no_autocast(q):
-        return depth_read_forward(q, scale, depth_k, depth_v)
+        qa = q.to(acc)                                                                  # (B, H_kv, G, T, hd)
+        d = torch.cat([torch.linalg.vecdot(qa, stacked(depth_k, i, j, acc).unsqueeze(3))
+                       for i, j in chunks(S)]) * scale                                 # (S, B, H_kv, G, T)
+        lse = torch.logsumexp(d, dim=0)
+        a = torch.exp(d - lse)
+        y = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for i, j in chunks(S):
+            y += (a[i:j].unsqueeze(-1) * stacked(depth_v, i, j, acc).unsqueeze(3)).sum(0)
+    return y.to(q.dtype), lse, a
 
 
 @depth_read_op.register_fake
@@ -330,13 +366,22 @@ def _(q, depth_k, depth_v, scale, route):
 def depth_read_backward_op(gy: torch.Tensor, glse: torch.Tensor, q: torch.Tensor, a: torch.Tensor,
                            depth_k: list[torch.Tensor], depth_v: list[torch.Tensor], scale: float,
                            n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`depth_read_backward` as one opaque op: (gq, the route's gradient (n_slots, B, H_kv, T,
-    2 hd) in fp32, slot j = [gK_j, gV_j] for j < S, zero after)."""
+    """The backward of DepthReadFunction (formulas in its docstring), READ_CHUNK slots at a
+    time, as one opaque op: (gq, the route's gradient (n_slots, B, H_kv, T, 2 hd) in fp32,
+    slot j = [gK_j, gV_j] for j < S, zero after)."""
+    S, acc, hd = len(depth_k), a.dtype, q.size(-1)
     with no_autocast(q):
-        g = a.new_empty((n_slots,) + depth_k[0].shape[:-1] + (2 * q.size(-1),))
-        g[len(depth_k):].zero_()
-        gq, _, _ = depth_read_backward(q, a, depth_k, depth_v, scale, gy, glse, out=g)
-    return gq, g
+        qa, gy = q.to(acc), gy.to(acc)
+        p = torch.cat([torch.linalg.vecdot(gy, stacked(depth_v, i, j, acc).unsqueeze(3)) for i, j in chunks(S)])
+        gd = a * (p - (a * p).sum(0, keepdim=True) + glse) * scale                       # (S, B, H_kv, G, T)
+        g = a.new_empty((n_slots,) + depth_k[0].shape[:-1] + (2 * hd,))
+        g[S:].zero_()
+        gq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for i, j in chunks(S):  # the query heads G of a K/V head are dim 3 of (chunk, B, H_kv, G, T, hd)
+            gq += (gd[i:j].unsqueeze(-1) * stacked(depth_k, i, j, acc).unsqueeze(3)).sum(0)
+            g[i:j, ..., :hd] = (gd[i:j].unsqueeze(-1) * qa).sum(3)                     # gK_j
+            g[i:j, ..., hd:] = (a[i:j].unsqueeze(-1) * gy).sum(3)                      # gV_j
+    return gq.to(q.dtype), g
 
 
 @depth_read_backward_op.register_fake
@@ -575,12 +620,10 @@ def depth_read_forward(q, scale, K, V):
     return y.to(q.dtype), lse, a
 
 
-def depth_read_backward(q, a, K, V, scale, gy, glse, out=None):
+def depth_read_backward(q, a, K, V, scale, gy, glse):
     """DepthReadFunction's backward on plain tensors (formulas in its docstring): gy
     (B, H_kv, G, T, hd) and glse (B, H_kv, G, T), either None, -> gq like q, gK and gV:
-    S x (B, H_kv, T, hd) in the slots' dtypes (gV None where gy is None). out: a route's
-    gradient (N >= S, B, H_kv, T, 2 hd) in a's dtype to write slot j = [gK_j, gV_j] into,
-    one slot at a time; gK and gV are then None."""
+    S x (B, H_kv, T, hd) in the slots' dtypes (gV None where gy is None)."""
     acc, G = a.dtype, q.size(2)
     group_sum = (lambda t: t.squeeze(2)) if G == 1 else (lambda t: t.sum(2))  # over the query heads of a K/V head
     if gy is None:
@@ -595,12 +638,6 @@ def depth_read_backward(q, a, K, V, scale, gy, glse, out=None):
     gq = torch.zeros(q.shape, dtype=acc, device=q.device)
     for j, Kj in enumerate(K):
         gq.addcmul_(gd[j].unsqueeze(-1), Kj.unsqueeze(2))
-    if out is not None:
-        hd = q.size(-1)
-        for j in range(len(K)):
-            out[j, ..., :hd] = group_sum(gd[j].unsqueeze(-1) * q)
-            out[j, ..., hd:] = group_sum(a[j].unsqueeze(-1) * gy) if gy is not None else 0
-        return gq.to(q.dtype), None, None
     gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
     gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
     return gq.to(q.dtype), gK, gV

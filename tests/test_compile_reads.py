@@ -67,15 +67,16 @@ def test_ops_pass_opcheck():
 def test_routed_depth_mix_gradients_are_the_functions():
     """Sources put on a route (one write each, as AttnRes does under compile) and read by
     the opaque op get exactly DepthMixFunction's gradients, 1/rms included, in fp64; so do
-    the query and key gain. The read uses the first n of N > n slots."""
-    sources, _, w, g = mix_inputs(n=5)
+    the query and key gain. The read uses the first n of N > n slots, n = 11 > READ_CHUNK."""
+    assert 11 > ops.READ_CHUNK
+    sources, _, w, g = mix_inputs(n=11)
     outs = {}
     for routed in (False, True):
         vs = [v.clone().requires_grad_() for v in sources]
         ws, gs = w.clone().requires_grad_(), g.clone().requires_grad_()
         inv = [torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5) for v in vs]
         if routed:
-            route = route_for(7, (2, 3, 9))
+            route = route_for(13, (2, 3, 9))
             for i, (v, s) in enumerate(zip(vs, inv)):
                 route = RouteWrite.apply(route, i, v, s)
             z = ops.depth_mix(vs, inv, ws, gs, route)[0]
@@ -89,16 +90,17 @@ def test_routed_depth_mix_gradients_are_the_functions():
 
 def test_routed_depth_read_gradients_are_the_function():
     """MoDA's depth read through the opaque op and a route gives DepthReadFunction's
-    gradients for q and for every slot's key and value (fp64), with lse's gradient too."""
-    q, K, V = read_inputs(S=3)
+    gradients for q and for every slot's key and value (fp64), with lse's gradient too;
+    S = 11 > READ_CHUNK slots."""
+    q, K, V = read_inputs(S=11)
     outs = {}
     for routed in (False, True):
         qq = q.clone().requires_grad_()
         Ks = [k.clone().requires_grad_() for k in K]
         Vs = [v.clone().requires_grad_() for v in V]
         if routed:
-            route = route_for(4, (2, 2, 3, 8))
-            for j in range(3):
+            route = route_for(12, (2, 2, 3, 8))
+            for j in range(11):
                 route = RouteWrite.apply(route, j, Ks[j], Vs[j])
             y, lse, _ = depth_read_op(qq, Ks, Vs, 0.5, route)
         else:
