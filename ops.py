@@ -8,9 +8,11 @@ Each operation has its formula, shapes and dtypes in its docstring, and most com
 forms: the plain formula left to autograd (`*_reference`, what the tests check against)
 and a fast form with a hand-written backward (a torch.autograd.Function), written so
 that no (n, B, T, d) stack of sources or slots is kept for the backward, and so that
-torch.compile traces it into one graph. Why each form is what it is, and what it
-measured against the alternatives, is in its docstring; README "Speed and memory of
-the schemes" has the whole-model numbers.
+torch.compile traces it into one graph. The two depth reads whose number of sources grows
+with depth (AttnRes, MoDA) are opaque ops under torch.compile instead, so that the
+compiled graph grows linearly in L ("the depth reads as opaque ops" below). Why each form
+is what it is, and what it measured against the alternatives, is in its docstring;
+docs/performance.md and docs/gpu.md have the whole-model numbers.
 """
 
 import contextlib
@@ -44,9 +46,9 @@ class DepthMixFunction(torch.autograd.Function):
     they are earlier sublayers' outputs, kept in the AttnRes state); backward recomputes
     the softmax weights a from them, a cheap (n, B, T) op. Every sum over sources is a
     loop over the n tensors, never an (n, B, T, d) stack: on the CPU that is also the
-    fastest form (tiny batched matmuls are slow there), and torch.compile fuses the loops
-    of a read into a few kernels (whole-model compile: one graph, the varying n of the
-    reads is unrolled, no recompiles).
+    fastest form (tiny batched matmuls are slow there). Under torch.compile `depth_mix`
+    calls the opaque `depth_mix_op` instead (unless UNROLL_DEPTH_READS, when inductor
+    traces and fuses these loops, at a compile time that grows as L^2).
 
     Logits, softmax and the sum z are accumulated in fp32 (fp64 for fp64 inputs); z is
     returned in the sources' promoted dtype. With e_i = r_i s_i, r_i = v_i . u, u = w * g,
