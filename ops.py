@@ -155,7 +155,7 @@ def depth_mix_reference(sources, inv_rmses, query, key_gain):
     return z, a
 
 
-def depth_mix(sources, inv_rmses, query, key_gain, route=None):
+def depth_mix(sources, inv_rmses, query, key_gain, route=None, routed=None):
     """Depth attention of AttnRes (arXiv 2603.15031; paper Table 1, Appendix A):
 
         e_i = w^T RMSNorm_key(v_i) = (v_i . (w * g)) / rms(v_i),   a = softmax_i(e),   z = sum_i a_i v_i
@@ -167,14 +167,16 @@ def depth_mix(sources, inv_rmses, query, key_gain, route=None):
     sources: saved memory per read is n fp32 numbers per token, not n copies of (B, T, d).
     Gradients flow into the sources, their 1/rms, w and g.
     Returns z (B, T, d) in the sources' (promoted) dtype and the weights a (n, B, T) in fp32.
-    route: None (eager), or under torch.compile the `open_route` on whose slots 0..n-1 the
-    sources were put (`route_write`): the read is then one opaque op, and `a` carries no gradient.
+    route: None (eager), or under torch.compile the `open_route` on whose slots 0..routed-1
+    the first `routed` sources (default: all) were put (`route_write`): the read is then one
+    opaque op, and `a` carries no gradient.
     Raises ValueError if the lists are empty or differ in length, or for a shape that
     does not fit the above."""
     check_depth_mix_args(sources, inv_rmses, query, key_gain)
     if route is None:
         return DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
-    z, a, _ = depth_mix_op(list(sources), list(inv_rmses), query, key_gain, route)
+    z, a, _ = depth_mix_op(list(sources), list(inv_rmses), query, key_gain, route,
+                           len(sources) if routed is None else routed)
     return z, a
 
 
@@ -263,9 +265,10 @@ def stacked(tensors, i, j, dtype):
 
 @torch.library.custom_op('depthbench::depth_mix', mutates_args=())
 def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], query: torch.Tensor,
-                 key_gain: torch.Tensor, route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`depth_mix_forward` as one opaque op: (z, a, r). Sources i < n sit on route slots i;
-    their gradients (and their 1/rms's) come back through the route, width d + 1.
+                 key_gain: torch.Tensor, route: torch.Tensor, routed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`depth_mix_forward` as one opaque op: (z, a, r). Sources i < routed sit on route slots
+    i; their gradients (and their 1/rms's) come back through the route, width d + 1; the
+    rest (Block AttnRes's partial sum) get theirs as usual.
     Inside, the sources are stacked READ_CHUNK at a time: a few ops per chunk run eagerly
     (one op per source was 6.8x Pre-LN's compiled step on a CPU at L = 32; all n stacked
     at once keeps several (n, B, T, d) temporaries, 35 GB at the 400M L = 32 micro-batch)."""
@@ -283,7 +286,7 @@ def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], que
 
 
 @depth_mix_op.register_fake
-def _(sources, inv_rmses, query, key_gain, route):
+def _(sources, inv_rmses, query, key_gain, route, routed):
     dtype = _promoted_dtype(sources)
     v, n = sources[0], len(sources)
     acc = torch.promote_types(dtype, torch.float32)
@@ -292,11 +295,12 @@ def _(sources, inv_rmses, query, key_gain, route):
 
 @torch.library.custom_op('depthbench::depth_mix_backward', mutates_args=())
 def depth_mix_backward_op(gz: torch.Tensor, query: torch.Tensor, key_gain: torch.Tensor, r: torch.Tensor,
-                          sources: list[torch.Tensor], inv_rmses: list[torch.Tensor],
-                          n_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], n_slots: int,
+                          routed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The backward of DepthMixFunction (formulas in its docstring), READ_CHUNK sources at a
     time, as one opaque op: (gw, gg, the route's gradient (n_slots, B, T, d + 1) in fp32,
-    slot i = [gv_i, gs_i] for i < n, zero after)."""
+    slot i = [gv_i, gs_i] for i < routed, zero after; then gv_i and gs_i of the sources
+    i >= routed, in their dtypes)."""
     n, d, acc = len(sources), gz.size(-1), r.dtype
     with no_autocast(query):
         u = query.to(acc) * key_gain.to(acc)
@@ -306,25 +310,29 @@ def depth_mix_backward_op(gz: torch.Tensor, query: torch.Tensor, key_gain: torch
         p = torch.cat([torch.linalg.vecdot(stacked(sources, i, j, acc), gz) for i, j in chunks(n)])  # (n, B, T)
         ge = a * (p - (a * p).sum(0, keepdim=True))
         c = ge * s
-        g = gz.new_empty((n_slots,) + gz.shape[:-1] + (d + 1,), dtype=acc)
-        g[n:].zero_()
         gu = torch.zeros(d, dtype=acc, device=gz.device)
-        for i, j in chunks(n):  # slot i = [gv_i, gs_i] = [a_i gz + c_i u, ge_i r_i]
+        for i, j in chunks(n):
+            gu += c[i:j].reshape(-1) @ stacked(sources, i, j, acc).reshape(-1, d)     # (d,)
+        g = gz.new_empty((n_slots,) + gz.shape[:-1] + (d + 1,), dtype=acc)
+        g[routed:].zero_()
+        for i, j in chunks(routed):  # slot i = [gv_i, gs_i] = [a_i gz + c_i u, ge_i r_i]
             g[i:j, ..., :d].copy_(a[i:j].unsqueeze(-1) * gz).addcmul_(c[i:j].unsqueeze(-1), u)
-            gu += c[i:j].reshape(-1) @ stacked(sources, i, j, acc).reshape(-1, d)  # (d,)
-        g[:n, ..., d] = ge * r
-    return (gu * key_gain.to(acc)).to(query.dtype), (gu * query.to(acc)).to(key_gain.dtype), g
+        g[:routed, ..., d] = ge[:routed] * r[:routed]
+        gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(sources[i].dtype) for i in range(routed, n)]
+        gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) for i in range(routed, n)]
+    return (gu * key_gain.to(acc)).to(query.dtype), (gu * query.to(acc)).to(key_gain.dtype), g, gv, gs
 
 
 @depth_mix_backward_op.register_fake
-def _(gz, query, key_gain, r, sources, inv_rmses, n_slots):
+def _(gz, query, key_gain, r, sources, inv_rmses, n_slots, routed):
     return (torch.empty_like(query), torch.empty_like(key_gain),
-            gz.new_empty((n_slots,) + gz.shape[:-1] + (gz.size(-1) + 1,), dtype=r.dtype))
+            gz.new_empty((n_slots,) + gz.shape[:-1] + (gz.size(-1) + 1,), dtype=r.dtype),
+            [torch.empty_like(v) for v in sources[routed:]], [torch.empty_like(t) for t in inv_rmses[routed:]])
 
 
 def _depth_mix_setup(ctx, inputs, output):
-    sources, inv_rmses, query, key_gain, route = inputs
-    ctx.n, ctx.n_slots = len(sources), route.size(0)
+    sources, inv_rmses, query, key_gain, route, routed = inputs
+    ctx.n, ctx.n_slots, ctx.routed = len(sources), route.size(0), routed
     ctx.save_for_backward(query, key_gain, output[2], *sources, *inv_rmses)
     ctx.mark_non_differentiable(output[1], output[2])  # a is for traces only; r is saved
 
@@ -333,8 +341,9 @@ def _depth_mix_op_backward(ctx, gz, ga, gr):
     query, key_gain, r, *tensors = ctx.saved_tensors
     n = ctx.n
     gz = torch.zeros_like(tensors[0]) if gz is None else gz
-    gw, gg, groute = depth_mix_backward_op(gz, query, key_gain, r, tensors[:n], tensors[n:], ctx.n_slots)
-    return [None] * n, [None] * n, gw, gg, groute
+    k = ctx.routed
+    gw, gg, groute, gv, gs = depth_mix_backward_op(gz, query, key_gain, r, tensors[:n], tensors[n:], ctx.n_slots, k)
+    return [None] * k + list(gv), [None] * k + list(gs), gw, gg, groute, None
 
 
 depth_mix_op.register_autograd(_depth_mix_op_backward, setup_context=_depth_mix_setup)

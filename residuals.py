@@ -180,8 +180,8 @@ class DepthMixer(nn.Module):
         self.query = nn.Parameter(torch.zeros(cfg.n_embd))
         self.key_norm = RMSNorm(cfg.n_embd, cfg.attnres_eps)  # its eps is the 1/rms the state carries
 
-    def forward(self, sources, inv_rmses, route=None):
-        return depth_mix(sources, inv_rmses, self.query, self.key_norm.weight, route)
+    def forward(self, sources, inv_rmses, route=None, routed=None):
+        return depth_mix(sources, inv_rmses, self.query, self.key_norm.weight, route, routed)
 
 
 class AttnResLayer(PreNormLayer):
@@ -607,6 +607,7 @@ class BlockState(NamedTuple):
     k: int                    # 0-based index of the next sublayer, the one that reads `mix`
     mix: torch.Tensor         # the raw depth mix sublayer k reads (B, T, d)
     boundary: bool            # whether that read is at an AttnRes-block boundary
+    route: torch.Tensor | None = None  # under torch.compile: the route of the frozen sources' gradients
 
 
 class BlockAttnRes(AttnRes):
@@ -659,61 +660,65 @@ class BlockAttnRes(AttnRes):
         self.group_size = n_sub // n_blocks  # S, sublayers per AttnRes block
 
     def route_bytes_per_token(self):
-        return 0  # at most attnres_blocks + 2 sources per read: compiled as traced loops, no route
+        return (2 * self.cfg.n_layer // self.group_size + 1) * (self.cfg.n_embd + 1) * 4  # embedding + block sums
 
-    def freeze(self, sources, inv_rmses, partial):
-        """Appends the partial sum (if any) to the sources as a frozen block."""
+    def freeze(self, sources, inv_rmses, partial, route):
+        """Appends the partial sum (if any) to the sources as a frozen block (and to the route)."""
         if partial is None:
-            return sources, inv_rmses
-        return sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.attnres_eps),)
+            return sources, inv_rmses, route
+        s = inv_rms(partial, self.cfg.attnres_eps)
+        return sources + (partial,), inv_rmses + (s,), route_write(route, len(sources), partial, s)
 
-    def read(self, sources, inv_rmses, partial, k, mixer, b, j):
+    def read(self, sources, inv_rmses, partial, route, k, mixer, b, j):
         """The input of sublayer k (recorded as block b, sublayer j): freezes P at a
         boundary, then mixes the embedding, the frozen blocks and P (if non-empty).
-        Returns (sources, inv_rmses, partial, z (B, T, d), boundary)."""
+        Returns (sources, inv_rmses, partial, route, z (B, T, d), boundary)."""
         boundary = k % self.group_size == 0
         if boundary:
-            sources, inv_rmses = self.freeze(sources, inv_rmses, partial)
+            sources, inv_rmses, route = self.freeze(sources, inv_rmses, partial, route)
             partial = None
         if partial is None:
-            z, a = mixer(sources, inv_rmses)
+            z, a = mixer(sources, inv_rmses, route)
             current = -1
-        else:
-            z, a = mixer(sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.attnres_eps),))
+        else:  # P is not on the route: it changes at every sublayer, and is read once
+            z, a = mixer(sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.attnres_eps),), route,
+                         len(sources))
             current = len(sources)
         if self.tape is not None:
             self.record(b, j, weights=a, current=torch.tensor(current))
-        return sources, inv_rmses, partial, z, boundary
+        return sources, inv_rmses, partial, route, z, boundary
 
     def accumulate(self, sources, partial, f):
         return f.to(sources[0].dtype) if partial is None else partial + f
 
     def begin(self, x):
-        return BlockState((x,), (inv_rms(x, self.cfg.attnres_eps),), None, 0, x, True)
+        s = inv_rms(x, self.cfg.attnres_eps)
+        route = route_write(open_route(x, 2 * self.cfg.n_layer // self.group_size + 1, x.size(-1) + 1), 0, x, s)
+        return BlockState((x,), (s,), None, 0, x, True, route)
 
     def block(self, state, b, layer, rope):
-        sources, inv_rmses, partial, k, mix, _ = state
+        sources, inv_rmses, partial, k, mix, _, route = state
         p = self.layers[b]
         x = self.attn_input(p, mix, len(sources) == 1 and partial is None)
         partial = self.accumulate(sources, partial, layer.attn(x, rope))
-        sources, inv_rmses, partial, z, _ = self.read(sources, inv_rmses, partial, k + 1, p.mlp_mix, b, 1)
+        sources, inv_rmses, partial, route, z, _ = self.read(sources, inv_rmses, partial, route, k + 1, p.mlp_mix, b, 1)
         partial = self.accumulate(sources, partial, layer.mlp(rms_norm_eps(z, p.mlp_norm, self.cfg.attnres_eps)))
         # the read of the next block's attention, or the final aggregator (recorded as block b+1)
-        sources, inv_rmses, partial, mix, boundary = self.read(sources, inv_rmses, partial, k + 2,
-                                                               p.out_mix, b + 1, 0)
-        return BlockState(sources, inv_rmses, partial, k + 2, mix, boundary)
+        sources, inv_rmses, partial, route, mix, boundary = self.read(sources, inv_rmses, partial, route, k + 2,
+                                                                      p.out_mix, b + 1, 0)
+        return BlockState(sources, inv_rmses, partial, k + 2, mix, boundary, route)
 
     def skip(self, state, b):
-        sources, inv_rmses, partial, k, _, _ = state
+        sources, inv_rmses, partial, k, _, _, route = state
         if (k + 1) % self.group_size == 0:  # a boundary at the skipped MLP's position still freezes P
-            sources, inv_rmses = self.freeze(sources, inv_rmses, partial)
+            sources, inv_rmses, route = self.freeze(sources, inv_rmses, partial, route)
             partial = None
         if (k + 2) % self.group_size == 0:  # next-output rule: identity on the newest source
-            sources, inv_rmses = self.freeze(sources, inv_rmses, partial)
-            return BlockState(sources, inv_rmses, None, k + 2, sources[-1], True)
-        sources, inv_rmses, partial, mix, boundary = self.read(sources, inv_rmses, partial, k + 2,
-                                                               self.layers[b].out_mix, b + 1, 0)
-        return BlockState(sources, inv_rmses, partial, k + 2, mix, boundary)
+            sources, inv_rmses, route = self.freeze(sources, inv_rmses, partial, route)
+            return BlockState(sources, inv_rmses, None, k + 2, sources[-1], True, route)
+        sources, inv_rmses, partial, route, mix, boundary = self.read(sources, inv_rmses, partial, route, k + 2,
+                                                                      self.layers[b].out_mix, b + 1, 0)
+        return BlockState(sources, inv_rmses, partial, k + 2, mix, boundary, route)
 
     def end(self, state):
         return state.mix

@@ -49,11 +49,11 @@ def test_ops_pass_opcheck():
     sources, inv, w, g = mix_inputs()
     sources = [v.requires_grad_() for v in sources]
     route = route_for(6, (2, 3, 9)).requires_grad_()
-    torch.library.opcheck(depth_mix_op, (sources, inv, w.requires_grad_(), g.requires_grad_(), route))
+    torch.library.opcheck(depth_mix_op, (sources, inv, w.requires_grad_(), g.requires_grad_(), route, 3))
     with torch.no_grad():  # the backward ops have no backward of their own
         sources, w, g = [v.detach() for v in sources], w.detach(), g.detach()
-        z, a, r = depth_mix_op(sources, inv, w, g, route)
-        torch.library.opcheck(depth_mix_backward_op, (torch.randn_like(z), w, g, r, sources, inv, 6))
+        z, a, r = depth_mix_op(sources, inv, w, g, route, 3)
+        torch.library.opcheck(depth_mix_backward_op, (torch.randn_like(z), w, g, r, sources, inv, 6, 3))
     q, K, V = read_inputs()
     route = route_for(5, (2, 2, 3, 8)).requires_grad_()
     torch.library.opcheck(depth_read_op, (q.requires_grad_(), K, V, 0.5, route))
@@ -64,10 +64,13 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(route_slot, (torch.randn(4, 2, 3, **f64), 2))
 
 
-def test_routed_depth_mix_gradients_are_the_functions():
+@pytest.mark.parametrize('routed', [11, 9])
+def test_routed_depth_mix_gradients_are_the_functions(routed):
     """Sources put on a route (one write each, as AttnRes does under compile) and read by
     the opaque op get exactly DepthMixFunction's gradients, 1/rms included, in fp64; so do
-    the query and key gain. The read uses the first n of N > n slots, n = 11 > READ_CHUNK."""
+    the query and key gain. The read uses the first n of N > n slots, n = 11 > READ_CHUNK;
+    with routed = 9 the last two sources are not on the route (as Block AttnRes's partial
+    sum) and get their gradients directly."""
     assert 11 > ops.READ_CHUNK
     sources, _, w, g = mix_inputs(n=11)
     outs = {}
@@ -77,9 +80,9 @@ def test_routed_depth_mix_gradients_are_the_functions():
         inv = [torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5) for v in vs]
         if routed:
             route = route_for(13, (2, 3, 9))
-            for i, (v, s) in enumerate(zip(vs, inv)):
+            for i, (v, s) in enumerate(zip(vs[:routed], inv)):
                 route = RouteWrite.apply(route, i, v, s)
-            z = ops.depth_mix(vs, inv, ws, gs, route)[0]
+            z = ops.depth_mix(vs, inv, ws, gs, route, routed)[0]
         else:
             z = DepthMixFunction.apply(ws, gs, *vs, *inv)[0]
         (z * torch.linspace(-1, 2, z.numel(), **f64).view_as(z)).sum().backward()
@@ -121,7 +124,8 @@ def randomized(residual, L=3, **kw):
     return model
 
 
-@pytest.mark.parametrize('residual,kw', [('attnres', {}), ('moda', {'n_kv_head': 2})])
+@pytest.mark.parametrize('residual,kw', [('attnres', {}), ('blockattnres', {'attnres_blocks': 2}),
+                                         ('moda', {'n_kv_head': 2})])
 def test_compiled_model_matches_eager(residual, kw):
     """The whole model under torch.compile (aot_eager: traced like inductor, run eagerly):
     one graph, no break, no recompile, and the eager loss and parameter gradients."""
@@ -148,11 +152,13 @@ def traced_sizes(residual, L):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('residual,depths', [('attnres', (1, 2, 3)), ('moda', (2, 3, 4))])
+@pytest.mark.parametrize('residual,depths', [('attnres', (1, 2, 3)), ('blockattnres', (2, 3, 4)),
+                                             ('moda', (2, 3, 4))])
 def test_compiled_graph_grows_linearly_in_depth(residual, depths, monkeypatch):
     """The forward and backward graphs grow by the same number of nodes for every block
     added: each block adds the same work, whatever the number of sources its reads see.
-    (MoDA starts at L = 2: at L = 1 its only block reads no depth slots.) With AttnRes's
+    (MoDA starts at L = 2: at L = 1 its only block reads no depth slots. Block AttnRes
+    with 2L <= attnres_blocks = 8 has one sublayer per block: every read freezes a source.) With AttnRes's
     reads unrolled (ops.UNROLL_DEPTH_READS) the growth rises with L, so this test can fail."""
     s = [traced_sizes(residual, L) for L in depths]
     for part in (0, 1):

@@ -183,7 +183,8 @@ def test_attnres_activation_memory_near_preln(monkeypatch):
     preln, fast = saved_mib('preln'), saved_mib('attnres')
     assert fast > preln            # the sources and their 1/rms do cost something
     assert fast <= 1.2 * preln
-    monkeypatch.setattr(residuals, 'depth_mix', lambda s, i, q, g, route=None: depth_mix_reference(s, i, q, g))
+    reference = lambda s, i, q, g, route=None, routed=None: depth_mix_reference(s, i, q, g)  # noqa: E731
+    monkeypatch.setattr(residuals, 'depth_mix', reference)
     stacked = saved_mib('attnres')
     assert stacked > 1.5 * preln
 

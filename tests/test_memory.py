@@ -44,7 +44,7 @@ def test_compiled_read_workspace_is_three_route_gradients(residual, monkeypatch)
     """With compiled=True the workspace term is 3 x the bytes of the route the scheme opens
     under torch.compile (built here by calling begin as if compiling, so the formula in
     route_bytes_per_token is checked against the real tensor); 0 without a route or when
-    not compiled. AttnRes and MoDA have one."""
+    not compiled. AttnRes, Block AttnRes and MoDA have one."""
     cfg = tiny(residual, n_kv_head=1)
     model = GPT(cfg)
     B, T = 3, 40
@@ -54,7 +54,7 @@ def test_compiled_read_workspace_is_three_route_gradients(residual, monkeypatch)
              and s.dim() >= 4 and s.stride()[0] == 0]  # the zero-stride route, if any
     monkeypatch.undo()
     mem = cost.train_memory(cfg, B, T, probe_tokens=8, model=model, compiled=True)
-    assert (len(route) == 1) == (residual in ('attnres', 'moda'))
+    assert (len(route) == 1) == (residual in ('attnres', 'blockattnres', 'moda'))
     want = 3 * route[0].numel() * route[0].element_size() if route else 0
     assert mem['read_workspace'] == want
     assert mem['total'] == pytest.approx(sum(v for k, v in mem.items() if k not in ('total', 'activations_per_token')))
