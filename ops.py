@@ -8,9 +8,9 @@ Each operation has its formula, shapes and dtypes in its docstring, and most com
 forms: the plain formula left to autograd (`*_reference`, what the tests check against)
 and a fast form with a hand-written backward (a torch.autograd.Function), written so
 that no (n, B, T, d) stack of sources or slots is kept for the backward, and so that
-torch.compile traces it into one graph. The two depth reads whose number of sources grows
-with depth (AttnRes, MoDA) are opaque ops under torch.compile instead, so that the
-compiled graph grows linearly in L ("the depth reads as opaque ops" below). Why each form
+torch.compile traces it into one graph. The depth reads whose sources accumulate with
+depth (AttnRes, Block AttnRes, MoDA) are opaque ops under torch.compile instead, so that
+the compiled graph grows linearly in L ("the depth reads as opaque ops" below). Why each form
 is what it is, and what it measured against the alternatives, is in its docstring;
 docs/performance.md and docs/gpu.md have the whole-model numbers.
 """
@@ -187,8 +187,9 @@ def depth_mix(sources, inv_rmses, query, key_gain, route=None, routed=None):
 # backward sums every source's gradient over all later reads (O(L^2) more adds), and
 # inductor compiles a kernel for each distinct n: compile time grew as L^2 (docs/gpu.md).
 # Under torch.compile the reads are therefore custom ops (torch.library), one node per
-# read whatever n, that run the functions above, and the sources' gradients travel along a
-# *route* instead of one autograd edge per (read, source) pair:
+# read whatever n, that compute the same formulas READ_CHUNK sources at a time, and the
+# sources' gradients travel along a *route* instead of one autograd edge per (read,
+# source) pair:
 #   - a route stands for N slots (slot i = source i); its value is never read (it is a
 #     zero-stride zero tensor, no memory), only its gradient (N, B, T, width) is used;
 #   - a read takes the route that covers its sources and returns their gradients as the
