@@ -560,7 +560,7 @@ if checkpoint is not None:
 resumed_at = iter_num if init_from == 'resume' and evaluated else None
 
 if compile:
-    print0("compiling the model (a minute or more; HC/mHC several on a CPU, Full AttnRes more at large L)...")
+    print0("compiling the model (a minute or more; HC/mHC several on a CPU)...")
     model = torch.compile(model)
 if ddp and not fsdp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
