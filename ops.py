@@ -61,66 +61,49 @@ class DepthMixFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_gain, *tensors):
         n = len(tensors) // 2
-        z, a, r = depth_mix_forward(query, key_gain, tensors[:n], tensors[n:])
+        sources, inv_rmses = tensors[:n], tensors[n:]
+        dtype = _promoted_dtype(sources)
+        acc = torch.promote_types(dtype, torch.float32)                         # fp32 (fp64 in gradcheck)
+        u = query.to(acc) * key_gain.to(acc)                                    # (d,)
+        r = torch.stack([v.to(acc) @ u for v in sources])                       # (n, B, T)
+        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
+        a = torch.softmax(r * s, dim=0)                                         # (n, B, T)
+        z = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)  # (B, T, d)
+        for i, v in enumerate(sources):  # in place: one buffer, not n fresh (B, T, d) allocations
+            z.addcmul_(a[i].unsqueeze(-1), v)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(query, key_gain, r, *tensors)
-        return z, a
+        ctx.save_for_backward(query, key_gain, r, *sources, *inv_rmses)
+        return z.to(dtype), a
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # r is saved, not recomputed: no double backward
     def backward(ctx, gz, ga):
         query, key_gain, r, *tensors = ctx.saved_tensors
         n = len(tensors) // 2
-        gw, gg, gv, gs = depth_mix_backward(query, key_gain, r, tensors[:n], tensors[n:], gz, ga,
-                                            ctx.needs_input_grad)
+        sources, inv_rmses = tensors[:n], tensors[n:]
+        need_w, need_g = ctx.needs_input_grad[:2]
+        need_v, need_s = ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
+        acc = r.dtype
+        u = query.to(acc) * key_gain.to(acc)                                    # (d,)
+        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
+        a = torch.softmax(r * s, dim=0)                                         # (n, B, T), as in forward
+        gz = torch.zeros(sources[0].shape, dtype=acc, device=r.device) if gz is None else gz.to(acc)
+        p = torch.stack([torch.linalg.vecdot(v.to(acc), gz) for v in sources])  # (n, B, T)
+        if ga is not None:
+            p = p + ga
+        ge = a * (p - (a * p).sum(0, keepdim=True))                             # (n, B, T)
+        c = ge * s                                                              # (n, B, T), reaches r
+        gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
+              for i, v in enumerate(sources)]                                   # n x (B, T, d)
+        gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
+              for i in range(n)]                                                # n x (B, T, 1)
+        gw = gg = None
+        if need_w or need_g:
+            d = u.numel()
+            gu = sum(v.reshape(-1, d).to(acc).t() @ c[i].reshape(-1) for i, v in enumerate(sources))  # (d,)
+            gw = (gu * key_gain.to(acc)).to(query.dtype) if need_w else None
+            gg = (gu * query.to(acc)).to(key_gain.dtype) if need_g else None
         return (gw, gg, *gv, *gs)
-
-
-def depth_mix_forward(query, key_gain, sources, inv_rmses):
-    """DepthMixFunction's forward on plain tensors: returns z (B, T, d) in the sources'
-    promoted dtype, a and r = v . (w * g) (n, B, T) in fp32 (fp64 for fp64 inputs)."""
-    dtype = _promoted_dtype(sources)
-    acc = torch.promote_types(dtype, torch.float32)                         # fp32 (fp64 in gradcheck)
-    u = query.to(acc) * key_gain.to(acc)                                    # (d,)
-    r = torch.stack([v.to(acc) @ u for v in sources])                       # (n, B, T)
-    s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
-    a = torch.softmax(r * s, dim=0)                                         # (n, B, T)
-    z = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)  # (B, T, d)
-    for i, v in enumerate(sources):  # in place: one buffer, not n fresh (B, T, d) allocations
-        z.addcmul_(a[i].unsqueeze(-1), v)
-    return z.to(dtype), a, r
-
-
-def depth_mix_backward(query, key_gain, r, sources, inv_rmses, gz, ga, needs=None):
-    """DepthMixFunction's backward on plain tensors (formulas in its docstring): gz (B, T, d)
-    and ga (n, B, T), either None, -> gw, gg (d,), gv: n x (B, T, d), gs: n x (B, T, 1), each
-    in its input's dtype. `needs`: needs_input_grad of (query, key_gain, *sources,
-    *inv_rmses); a gradient not needed is None (default: all are computed)."""
-    n = len(sources)
-    needs = needs or (True,) * (2 + 2 * n)
-    need_w, need_g = needs[:2]
-    need_v, need_s = needs[2:2 + n], needs[2 + n:]
-    acc = r.dtype
-    u = query.to(acc) * key_gain.to(acc)                                    # (d,)
-    s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
-    a = torch.softmax(r * s, dim=0)                                         # (n, B, T), as in forward
-    gz = torch.zeros(sources[0].shape, dtype=acc, device=r.device) if gz is None else gz.to(acc)
-    p = torch.stack([torch.linalg.vecdot(v.to(acc), gz) for v in sources])  # (n, B, T)
-    if ga is not None:
-        p = p + ga
-    ge = a * (p - (a * p).sum(0, keepdim=True))                             # (n, B, T)
-    c = ge * s                                                              # (n, B, T), reaches r
-    gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
-          for i, v in enumerate(sources)]                                   # n x (B, T, d)
-    gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
-          for i in range(n)]                                                # n x (B, T, 1)
-    gw = gg = None
-    if need_w or need_g:
-        d = u.numel()
-        gu = sum(v.reshape(-1, d).to(acc).t() @ c[i].reshape(-1) for i, v in enumerate(sources))  # (d,)
-        gw = (gu * key_gain.to(acc)).to(query.dtype) if need_w else None
-        gg = (gu * query.to(acc)).to(key_gain.dtype) if need_g else None
-    return gw, gg, gv, gs
 
 
 def check_depth_mix_args(sources, inv_rmses, query, key_gain):
@@ -267,7 +250,7 @@ def stacked(tensors, i, j, dtype):
 @torch.library.custom_op('depthbench::depth_mix', mutates_args=())
 def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], query: torch.Tensor,
                  key_gain: torch.Tensor, route: torch.Tensor, routed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`depth_mix_forward` as one opaque op: (z, a, r). Sources i < routed sit on route slots
+    """The read of DepthMixFunction as one opaque op: (z, a, r). Sources i < routed sit on route slots
     i; their gradients (and their 1/rms's) come back through the route, width d + 1; the
     rest (Block AttnRes's partial sum) get theirs as usual.
     Inside, the sources are stacked READ_CHUNK at a time: a few ops per chunk run eagerly
@@ -353,7 +336,7 @@ depth_mix_op.register_autograd(_depth_mix_op_backward, setup_context=_depth_mix_
 @torch.library.custom_op('depthbench::depth_read', mutates_args=())
 def depth_read_op(q: torch.Tensor, depth_k: list[torch.Tensor], depth_v: list[torch.Tensor], scale: float,
                   route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`depth_read_forward` as one opaque op, READ_CHUNK slots stacked at a time: (y, lse, a).
+    """The read of DepthReadFunction as one opaque op, READ_CHUNK slots stacked at a time: (y, lse, a).
     Slot j's key and value sit on route slot j, width 2 hd ([K_j, V_j])."""
     S, acc = len(depth_k), torch.promote_types(q.dtype, torch.float32)
     with no_autocast(q):
@@ -603,56 +586,43 @@ class DepthReadFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, scale, *slots):
         S = len(slots) // 2
-        y, lse, a = depth_read_forward(q, scale, slots[:S], slots[S:])
+        K, V = slots[:S], slots[S:]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qa = q.to(acc)                                                                       # scores in fp32 (no-op for fp32)
+        d = torch.stack([torch.linalg.vecdot(qa, Kj.unsqueeze(2).to(acc)) for Kj in K]) * scale  # (S, B, H_kv, G, T)
+        lse = torch.logsumexp(d, dim=0)                                                     # (B, H_kv, G, T)
+        a = torch.exp(d - lse)                                                              # (S, B, H_kv, G, T)
+        y = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for j, Vj in enumerate(V):  # in place: one buffer, not S fresh (B, H_kv, G, T, hd) tensors
+            y.addcmul_(a[j].unsqueeze(-1), Vj.unsqueeze(2))
         ctx.scale = scale
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, a, *slots)
-        return y, lse
+        return y.to(q.dtype), lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy, glse):
         q, a, *slots = ctx.saved_tensors
         S = len(slots) // 2
-        gq, gK, gV = depth_read_backward(q, a, slots[:S], slots[S:], ctx.scale, gy, glse)
-        return (gq, None, *gK, *gV)
-
-
-def depth_read_forward(q, scale, K, V):
-    """DepthReadFunction's forward on plain tensors: y (B, H_kv, G, T, hd) in q's dtype,
-    lse (B, H_kv, G, T) and the weights a (S, B, H_kv, G, T), both fp32."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qa = q.to(acc)                                                                       # scores in fp32 (no-op for fp32)
-    d = torch.stack([torch.linalg.vecdot(qa, Kj.unsqueeze(2).to(acc)) for Kj in K]) * scale  # (S, B, H_kv, G, T)
-    lse = torch.logsumexp(d, dim=0)                                                     # (B, H_kv, G, T)
-    a = torch.exp(d - lse)                                                              # (S, B, H_kv, G, T)
-    y = torch.zeros(q.shape, dtype=acc, device=q.device)
-    for j, Vj in enumerate(V):  # in place: one buffer, not S fresh (B, H_kv, G, T, hd) tensors
-        y.addcmul_(a[j].unsqueeze(-1), Vj.unsqueeze(2))
-    return y.to(q.dtype), lse, a
-
-
-def depth_read_backward(q, a, K, V, scale, gy, glse):
-    """DepthReadFunction's backward on plain tensors (formulas in its docstring): gy
-    (B, H_kv, G, T, hd) and glse (B, H_kv, G, T), either None, -> gq like q, gK and gV:
-    S x (B, H_kv, T, hd) in the slots' dtypes (gV None where gy is None)."""
-    acc, G = a.dtype, q.size(2)
-    group_sum = (lambda t: t.squeeze(2)) if G == 1 else (lambda t: t.sum(2))  # over the query heads of a K/V head
-    if gy is None:
-        p = torch.zeros_like(a)
-    else:
-        gy = gy.to(acc)
-        p = torch.stack([torch.linalg.vecdot(gy, Vj.unsqueeze(2).to(acc)) for Vj in V])  # (S, B, H_kv, G, T)
-    gd = p - (a * p).sum(0, keepdim=True)
-    if glse is not None:
-        gd = gd + glse
-    gd = a * gd * scale                                                                  # (S, B, H_kv, G, T)
-    gq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    for j, Kj in enumerate(K):
-        gq.addcmul_(gd[j].unsqueeze(-1), Kj.unsqueeze(2))
-    gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
-    gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
-    return gq.to(q.dtype), gK, gV
+        K, V = slots[:S], slots[S:]
+        acc, G = a.dtype, q.size(2)
+        group_sum = (lambda t: t.squeeze(2)) if G == 1 else (lambda t: t.sum(2))  # over the query heads of a K/V head
+        if gy is None:
+            p = torch.zeros_like(a)
+        else:
+            gy = gy.to(acc)
+            p = torch.stack([torch.linalg.vecdot(gy, Vj.unsqueeze(2).to(acc)) for Vj in V])  # (S, B, H_kv, G, T)
+        gd = p - (a * p).sum(0, keepdim=True)
+        if glse is not None:
+            gd = gd + glse
+        gd = a * gd * ctx.scale                                                              # (S, B, H_kv, G, T)
+        gq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for j, Kj in enumerate(K):
+            gq.addcmul_(gd[j].unsqueeze(-1), Kj.unsqueeze(2))
+        gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
+        gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
+        return (gq.to(q.dtype), None, *gK, *gV)
 
 
 # the fused CPU attention kernel that also returns the log-sum-exp of each query's scores

@@ -234,13 +234,16 @@ class AttnRes(Residual):
             nn.init.zeros_(layer.mlp_mix.query)
             nn.init.zeros_(layer.out_mix.query)
 
+    def route_slots(self):
+        """Sources a forward pass can hold: the embedding and the 2L sublayer outputs."""
+        return 2 * self.cfg.n_layer + 1
+
     def route_bytes_per_token(self):
-        return (2 * self.cfg.n_layer + 1) * (self.cfg.n_embd + 1) * 4  # 2L + 1 slots of [v_i, 1/rms_i], fp32
+        return self.route_slots() * (self.cfg.n_embd + 1) * 4  # slots of [v_i, 1/rms_i], fp32
 
     def begin(self, x):
-        s = inv_rms(x, self.cfg.attnres_eps)
-        route = route_write(open_route(x, 2 * self.cfg.n_layer + 1, x.size(-1) + 1), 0, x, s)
-        return (x,), (s,), x, route
+        sources, inv_rmses, route = self.add_source((), (), open_route(x, self.route_slots(), x.size(-1) + 1), x)
+        return sources, inv_rmses, x, route
 
     def attn_input(self, p, mix, embedding_only):
         """The attention input of a block with parameters p: its attn_norm on the embedding
@@ -248,6 +251,7 @@ class AttnRes(Residual):
         return p.attn_norm(mix) if embedding_only else rms_norm_eps(mix, p.attn_norm, self.cfg.attnres_eps)
 
     def add_source(self, sources, inv_rmses, route, f):
+        """Appends source f, its 1/rms and its slot on the route (if any)."""
         s = inv_rms(f, self.cfg.attnres_eps)
         return sources + (f,), inv_rmses + (s,), route_write(route, len(sources), f, s)
 
@@ -659,15 +663,14 @@ class BlockAttnRes(AttnRes):
                              f"{[n for n in range(1, n_sub + 1) if n_sub % n == 0]}")
         self.group_size = n_sub // n_blocks  # S, sublayers per AttnRes block
 
-    def route_bytes_per_token(self):
-        return (2 * self.cfg.n_layer // self.group_size + 1) * (self.cfg.n_embd + 1) * 4  # embedding + block sums
+    def route_slots(self):
+        return 2 * self.cfg.n_layer // self.group_size + 1  # the embedding and the frozen block sums
 
     def freeze(self, sources, inv_rmses, partial, route):
         """Appends the partial sum (if any) to the sources as a frozen block (and to the route)."""
         if partial is None:
             return sources, inv_rmses, route
-        s = inv_rms(partial, self.cfg.attnres_eps)
-        return sources + (partial,), inv_rmses + (s,), route_write(route, len(sources), partial, s)
+        return self.add_source(sources, inv_rmses, route, partial)
 
     def read(self, sources, inv_rmses, partial, route, k, mixer, b, j):
         """The input of sublayer k (recorded as block b, sublayer j): freezes P at a
@@ -692,9 +695,8 @@ class BlockAttnRes(AttnRes):
         return f.to(sources[0].dtype) if partial is None else partial + f
 
     def begin(self, x):
-        s = inv_rms(x, self.cfg.attnres_eps)
-        route = route_write(open_route(x, 2 * self.cfg.n_layer // self.group_size + 1, x.size(-1) + 1), 0, x, s)
-        return BlockState((x,), (s,), None, 0, x, True, route)
+        sources, inv_rmses, route = self.add_source((), (), open_route(x, self.route_slots(), x.size(-1) + 1), x)
+        return BlockState(sources, inv_rmses, None, 0, x, True, route)
 
     def block(self, state, b, layer, rope):
         sources, inv_rmses, partial, k, mix, _, route = state
