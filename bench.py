@@ -695,7 +695,7 @@ def fitting_batch(cfg, dev, dtype_name, budget, cap, compiled=False):
     model = GPT(cfg).to(dev)
     mem = cost.train_memory(cfg, 1, cfg.block_size, dev, dtype_name, model=model, compiled=compiled)
     del model
-    per_seq = mem['activations'] + mem['logits_grad'] + mem['read_workspace']
+    per_seq = mem['per_sequence']  # mem is for one sequence
     b = 1
     while b * 2 <= cap and mem['total'] + (2 * b - 1) * per_seq <= budget:
         b *= 2

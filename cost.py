@@ -765,7 +765,8 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
                   the route's gradient, B T x `route_bytes_per_token()` (the read's own, the
                   one passed on, their sum; the sources stacked inside the op fit in the
                   same bound). 0 otherwise;
-      total       their sum: the peak, as the backward begins.
+      total       their sum: the peak, as the backward begins;
+      per_sequence  the bytes of the parts above that scale with the micro-batch, per sequence.
     `model`: an existing GPT of this config on `device` to probe (none is built then).
     Compiled models usually save less (inductor recomputes cheap ops): an upper bound there."""
     n = param_count(cfg) if model is None else model.num_params()
@@ -785,6 +786,7 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
                logits_grad=4 * batch * seq_len * cfg.vocab_size, read_workspace=3 * route * batch * seq_len)
     out['total'] = sum(out.values())
     out['activations_per_token'] = probe / T
+    out['per_sequence'] = (out['activations'] + out['logits_grad'] + out['read_workspace']) / batch  # what B scales
     return out
 
 
@@ -843,8 +845,7 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=N
     print(format_memory(mem))
     if budget_gib:
         fixed = mem['params'] + mem['grads'] + mem['adamw']
-        per_seq = (mem['activations'] + mem['logits_grad'] + mem['read_workspace']) / B
-        b, acc = auto_micro_batch(B * ns['gradient_accumulation_steps'], lambda b: fixed + b * per_seq,
+        b, acc = auto_micro_batch(B * ns['gradient_accumulation_steps'], lambda b: fixed + b * mem['per_sequence'],
                                   budget_gib * 2**30)
         print(f"in {budget_gib:g} GiB: micro-batch {b}, gradient_accumulation_steps {acc} (global batch unchanged)")
         mem['auto'] = (b, acc)

@@ -474,7 +474,7 @@ if auto_batch or device_type == 'cuda':  # the predicted peak memory, and the mi
     if auto_batch:
         if device_bytes is None or fsdp:
             fail("auto_batch=True needs the device's memory (--memory_gib=... off CUDA) and no FSDP")
-        per_seq = (mem['activations'] + mem['logits_grad'] + mem['read_workspace']) / batch_size
+        per_seq = mem['per_sequence']
         try:
             batch_size, gradient_accumulation_steps = cost.auto_micro_batch(
                 batch_size * gradient_accumulation_steps, lambda b: mem['total'] + (b - batch_size) * per_seq,
