@@ -713,7 +713,7 @@ def gpu_suite(dev, dtype_name, compile_, tiny, steps, schemes_=GPU_SCHEMES, log=
     shapes = GPU_TINY if tiny else GPU_SHAPES
     step_batch = 2 if tiny else 4       # the micro-batch of the step-time comparison
     cap = 4 if tiny else 16             # the paper's micro-batch at 400M
-    budget = torch.cuda.get_device_properties(dev).total_memory * 0.9 if dev.type == 'cuda' else 2**31
+    budget = torch.cuda.get_device_properties(dev).total_memory * cost.AUTO_BATCH_FILL if dev.type == 'cuda' else 2**31
     res = dict(device=str(dev), dtype=dtype_name, compile=compile_, tiny=tiny, shapes=shapes, schemes={})
     if dev.type == 'cuda':
         res['gpu'] = torch.cuda.get_device_name(dev)

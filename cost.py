@@ -761,7 +761,8 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
       logits_grad 4 B T V (the fp32 gradient of the logits, alive with all activations at
                   the start of the backward);
       read_workspace  with compiled=True, for schemes whose depth reads return their
-                  gradients along a route under torch.compile (AttnRes, MoDA; ops.py): 3 x
+                  gradients along a route under torch.compile (AttnRes, Block AttnRes, MoDA;
+                  ops.py): 3 x
                   the route's gradient, B T x `route_bytes_per_token()` (the read's own, the
                   one passed on, their sum; the sources stacked inside the op fit in the
                   same bound). 0 otherwise;
@@ -788,6 +789,9 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
     out['activations_per_token'] = probe / T
     out['per_sequence'] = (out['activations'] + out['logits_grad'] + out['read_workspace']) / batch  # what B scales
     return out
+
+
+AUTO_BATCH_FILL = 0.9  # auto_batch plans for this share of the device's memory (allocator slack, CUDA context)
 
 
 def auto_micro_batch(sequences, predict, budget):
@@ -824,7 +828,8 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=N
     """cost.py --memory=CONFIG: prints the predicted peak of a train.py config file (its
     model, batch_size, gradient_accumulation_steps and block_size; train.py's defaults for
     what it leaves out, vocab 50280 unless it sets vocab_size) at its micro-batch, and with
-    budget_gib the micro-batch train.py --auto_batch=True would choose. compiled: whether
+    budget_gib the micro-batch train.py --auto_batch=True --memory_gib=budget_gib would
+    choose (it fills AUTO_BATCH_FILL of the memory, as train.py does). compiled: whether
     to count the compiled depth reads' workspace; None = the config's `compile`, and on
     when it leaves that to train.py (which compiles on CUDA, where this is for). Returns the dict."""
     from dataclasses import fields
@@ -843,10 +848,12 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=N
     compiled = (ns['compile'] is not False) if compiled is None else compiled
     mem = train_memory(cfg, B, T, device, dtype, model=model, compiled=compiled)
     print(format_memory(mem))
-    if budget_gib:
+    if budget_gib is not None:
+        if budget_gib <= 0:
+            raise ValueError(f"--budget_gib={budget_gib:g}: give the device's memory in GiB, > 0")
         fixed = mem['params'] + mem['grads'] + mem['adamw']
         b, acc = auto_micro_batch(B * ns['gradient_accumulation_steps'], lambda b: fixed + b * mem['per_sequence'],
-                                  budget_gib * 2**30)
+                                  AUTO_BATCH_FILL * budget_gib * 2**30)
         print(f"in {budget_gib:g} GiB: micro-batch {b}, gradient_accumulation_steps {acc} (global batch unchanged)")
         mem['auto'] = (b, acc)
     return mem

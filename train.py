@@ -478,7 +478,7 @@ if auto_batch or device_type == 'cuda':  # the predicted peak memory, and the mi
         try:
             batch_size, gradient_accumulation_steps = cost.auto_micro_batch(
                 batch_size * gradient_accumulation_steps, lambda b: mem['total'] + (b - batch_size) * per_seq,
-                0.9 * device_bytes)
+                cost.AUTO_BATCH_FILL * device_bytes)
         except ValueError as e:
             fail(str(e))
         train_loader.B = batch_size

@@ -135,3 +135,18 @@ def test_auto_batch_keeps_the_global_batch(data_dir, tmp_path):  # noqa: F811
     assert 'auto_batch: micro-batch 4, gradient_accumulation_steps 4' in r.stdout
     assert 'tokens per iteration: 4 accum x 1 procs x 4 seqs x 32 tokens = 512' in r.stdout
     assert 'predicted peak training memory' in r.stdout
+
+
+def test_cost_budget_plans_like_auto_batch(tmp_path):
+    """cost.py --memory --budget_gib fills AUTO_BATCH_FILL (90%) of the budget, as train.py's
+    auto_batch does: a budget that fits 4 sequences only at 100% gets 2; a budget of 0 is an
+    error, not silently ignored."""
+    cfg = tmp_path / 'tiny.py'
+    cfg.write_text("n_layer = 2\nn_embd = 32\nn_head = 2\nblock_size = 64\nvocab_size = 61\n"
+                   "residual = 'attnres'\nbatch_size = 4\ngradient_accumulation_steps = 1\n")
+    mem = cost.memory_main(str(cfg), compiled=False)
+    fixed = mem['params'] + mem['grads'] + mem['adamw']
+    budget_gib = (fixed + 4.05 * mem['per_sequence']) / 2**30
+    assert cost.memory_main(str(cfg), budget_gib=budget_gib, compiled=False)['auto'] == (2, 2)
+    with pytest.raises(ValueError, match='budget_gib'):
+        cost.memory_main(str(cfg), budget_gib=0, compiled=False)
