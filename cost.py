@@ -762,10 +762,12 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
                   the start of the backward);
       read_workspace  with compiled=True, for schemes whose depth reads return their
                   gradients along a route under torch.compile (AttnRes, Block AttnRes, MoDA;
-                  ops.py): 3 x
-                  the route's gradient, B T x `route_bytes_per_token()` (the read's own, the
-                  one passed on, their sum; the sources stacked inside the op fit in the
-                  same bound). 0 otherwise;
+                  ops.py): 3 x the route's gradient, B T x `route_bytes_per_token()`: the
+                  gradient itself (one buffer, which every read adds into in place), and a
+                  read's two temporaries, its stacked sources and their product, each at
+                  most that size (less once ops.READ_CHUNK_BYTES caps the stack: then an
+                  upper bound, kept linear in B so that the micro-batch can be planned).
+                  0 otherwise;
       total       their sum: the peak, as the backward begins;
       per_sequence  the bytes of the parts above that scale with the micro-batch, per sequence.
     `model`: an existing GPT of this config on `device` to probe (none is built then).

@@ -62,18 +62,10 @@ class DepthMixFunction(torch.autograd.Function):
     def forward(ctx, query, key_gain, *tensors):
         n = len(tensors) // 2
         sources, inv_rmses = tensors[:n], tensors[n:]
-        dtype = _promoted_dtype(sources)
-        acc = torch.promote_types(dtype, torch.float32)                         # fp32 (fp64 in gradcheck)
-        u = query.to(acc) * key_gain.to(acc)                                    # (d,)
-        r = torch.stack([v.to(acc) @ u for v in sources])                       # (n, B, T)
-        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
-        a = torch.softmax(r * s, dim=0)                                         # (n, B, T)
-        z = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)  # (B, T, d)
-        for i, v in enumerate(sources):  # in place: one buffer, not n fresh (B, T, d) allocations
-            z.addcmul_(a[i].unsqueeze(-1), v)
+        z, a, r = mix_forward(sources, inv_rmses, query, key_gain)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(query, key_gain, r, *sources, *inv_rmses)
-        return z.to(dtype), a
+        return z.to(_promoted_dtype(sources)), a
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # r is saved, not recomputed: no double backward
@@ -83,27 +75,54 @@ class DepthMixFunction(torch.autograd.Function):
         sources, inv_rmses = tensors[:n], tensors[n:]
         need_w, need_g = ctx.needs_input_grad[:2]
         need_v, need_s = ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
-        acc = r.dtype
-        u = query.to(acc) * key_gain.to(acc)                                    # (d,)
-        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                 # (n, B, T)
-        a = torch.softmax(r * s, dim=0)                                         # (n, B, T), as in forward
-        gz = torch.zeros(sources[0].shape, dtype=acc, device=r.device) if gz is None else gz.to(acc)
-        p = torch.stack([torch.linalg.vecdot(v.to(acc), gz) for v in sources])  # (n, B, T)
-        if ga is not None:
-            p = p + ga
-        ge = a * (p - (a * p).sum(0, keepdim=True))                             # (n, B, T)
-        c = ge * s                                                              # (n, B, T), reaches r
+        gz = torch.zeros(sources[0].shape, dtype=r.dtype, device=r.device) if gz is None else gz.to(r.dtype)
+        u, a, ge, c, gu = mix_backward_terms(gz, ga, query, key_gain, r, sources, inv_rmses, need_w or need_g)
         gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
               for i, v in enumerate(sources)]                                   # n x (B, T, d)
         gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) if need_s[i] else None
               for i in range(n)]                                                # n x (B, T, 1)
-        gw = gg = None
-        if need_w or need_g:
-            d = u.numel()
-            gu = sum(v.reshape(-1, d).to(acc).t() @ c[i].reshape(-1) for i, v in enumerate(sources))  # (d,)
-            gw = (gu * key_gain.to(acc)).to(query.dtype) if need_w else None
-            gg = (gu * query.to(acc)).to(key_gain.dtype) if need_g else None
+        gw = (gu * key_gain.to(r.dtype)).to(query.dtype) if need_w else None
+        gg = (gu * query.to(r.dtype)).to(key_gain.dtype) if need_g else None
         return (gw, gg, *gv, *gs)
+
+
+def mix_forward(sources, inv_rmses, query, key_gain):
+    """DepthMixFunction's forward formulas: (z (B, T, d), a, r (n, B, T)), all in the
+    accumulation dtype (fp32, or fp64 for fp64 inputs). Every sum over sources is one
+    in-place add per source into one buffer, never an (n, B, T, d) stack: at small shapes
+    a stack is slightly faster on a CPU, at (8, 128, 256) sources it was 9x slower."""
+    with no_autocast(query):  # fp32 math, as documented, also under autocast
+        acc = torch.promote_types(_promoted_dtype(sources), torch.float32)          # fp32 (fp64 in gradcheck)
+        u = query.to(acc) * key_gain.to(acc)                                        # (d,)
+        r = torch.stack([v.to(acc) @ u for v in sources])                           # (n, B, T)
+        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                     # (n, B, T)
+        a = torch.softmax(r * s, dim=0)                                             # (n, B, T)
+        z = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)      # (B, T, d)
+        for i, v in enumerate(sources):
+            z.addcmul_(a[i].unsqueeze(-1), v)
+        return z, a, r
+
+
+def mix_backward_terms(gz, ga, query, key_gain, r, sources, inv_rmses, need_gu=True):
+    """The backward of DepthMixFunction up to the per-source gradients: (u (d,), a, ge, c
+    (n, B, T), gu (d,) or None), with gz (B, T, d) in r's dtype and ga (n, B, T) or None;
+    formulas in DepthMixFunction's docstring. gv_i = a_i gz + c_i u and gs_i = ge_i r_i."""
+    with no_autocast(query):  # fp32 math, as documented, also under autocast
+        acc, d = r.dtype, gz.size(-1)
+        u = query.to(acc) * key_gain.to(acc)                                        # (d,)
+        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                     # (n, B, T)
+        a = torch.softmax(r * s, dim=0)                                             # (n, B, T), as in forward
+        p = torch.stack([torch.linalg.vecdot(v.to(acc), gz) for v in sources])      # (n, B, T)
+        if ga is not None:
+            p = p + ga
+        ge = a * (p - (a * p).sum(0, keepdim=True))                                 # (n, B, T)
+        c = ge * s                                                                  # (n, B, T), reaches r
+        gu = None
+        if need_gu:
+            gu = torch.zeros(d, dtype=acc, device=r.device)
+            for i, v in enumerate(sources):
+                gu.addmv_(v.reshape(-1, d).to(acc).t(), c[i].reshape(-1))           # (d,)
+        return u, a, ge, c, gu
 
 
 def check_depth_mix_args(sources, inv_rmses, query, key_gain):
@@ -152,15 +171,16 @@ def depth_mix(sources, inv_rmses, query, key_gain, route=None, routed=None):
     Returns z (B, T, d) in the sources' (promoted) dtype and the weights a (n, B, T) in fp32.
     route: None (eager), or under torch.compile the `open_route` on whose slots 0..routed-1
     the first `routed` sources (default: all) were put (`route_write`): the read is then one
-    opaque op, and `a` carries no gradient.
+    opaque op, `a` carries no gradient, and the route after the read is returned third
+    (z, a, route): later writes and reads must take that one.
     Raises ValueError if the lists are empty or differ in length, or for a shape that
     does not fit the above."""
     check_depth_mix_args(sources, inv_rmses, query, key_gain)
     if route is None:
         return DepthMixFunction.apply(query, key_gain, *sources, *inv_rmses)
-    z, a, _ = depth_mix_op(list(sources), list(inv_rmses), query, key_gain, route,
-                           len(sources) if routed is None else routed)
-    return z, a
+    z, a, _, route = depth_mix_op(list(sources), list(inv_rmses), query, key_gain, route,
+                                  len(sources) if routed is None else routed)
+    return z, a, route
 
 
 # ---- Under torch.compile: the depth reads as opaque ops -----------------------
@@ -170,21 +190,23 @@ def depth_mix(sources, inv_rmses, query, key_gain, route=None, routed=None):
 # backward sums every source's gradient over all later reads (O(L^2) more adds), and
 # inductor compiles a kernel for each distinct n: compile time grew as L^2 (docs/gpu.md).
 # Under torch.compile the reads are therefore custom ops (torch.library), one node per
-# read whatever n, that compute the same formulas READ_CHUNK sources at a time, and the
-# sources' gradients travel along a *route* instead of one autograd edge per (read,
-# source) pair:
+# read whatever n, that run the same formulas as the Functions eagerly inside (one in-place
+# add per source, no stacks), and the sources' gradients travel along a *route* instead of
+# one autograd edge per (read, source) pair:
 #   - a route stands for N slots (slot i = source i); its value is never read (it is a
 #     zero-stride zero tensor, no memory), only its gradient (N, B, T, width) is used;
-#   - a read takes the route that covers its sources and returns their gradients as the
-#     route's gradient, slot i holding source i's (zero in the slots it did not read);
-#   - `route_write(route, i, *tensors)` puts source i on the route: its backward passes the
-#     route's gradient on to the earlier route and hands slot i to the tensors.
-# Autograd then sums the reads' contributions with one add of fixed shape per read (one
-# kernel for every read), and the compiled graph grows as O(L). The cost is that add over
-# all N slots in the backward and the copies into and out of the slots; the eager path
-# (no route) is unchanged. UNROLL_DEPTH_READS = True restores the traced loops.
+#   - a read takes the route that covers its sources and returns a new one, which the
+#     next writes and reads take: the routes form one chain through the forward pass;
+#   - in the backward one gradient buffer runs down that chain: each read adds its
+#     sources' gradients into their slots *in place* (only the slots it read), and
+#     `route_write(route, i, *tensors)`, which put source i on the route, hands slot i to
+#     the tensors and passes the buffer on.
+# Autograd then sees one fixed-shape gradient per route and no per-source sums, and the
+# compiled graph grows as O(L); inductor turns the functional form of the in-place adds
+# back into one buffer. The eager path (no route) runs the same formulas through the
+# Functions. UNROLL_DEPTH_READS = True restores the traced loops.
 
-UNROLL_DEPTH_READS = False  # True: torch.compile traces the reads' loops (faster compiled step, compile O(L^2))
+UNROLL_DEPTH_READS = False  # True: torch.compile traces the reads' loops (inductor fuses them; compile time O(L^2))
 
 
 def open_route(like, n_slots, width):
@@ -234,39 +256,21 @@ def _(g, k):
     return g.new_empty(g.shape[1:])
 
 
-READ_CHUNK = 8  # sources (or depth slots) stacked at a time inside the opaque reads
-
-
-def chunks(n):
-    """(i, j) bounds of the READ_CHUNK-sized runs of range(n)."""
-    return [(i, min(i + READ_CHUNK, n)) for i in range(0, n, READ_CHUNK)]
-
-
-def stacked(tensors, i, j, dtype):
-    """tensors[i:j] stacked on a new first dim, in `dtype`: (j - i, ...), a temporary."""
-    return torch.stack(tensors[i:j]).to(dtype)
+def route_after(route):
+    """A new route of the same shape, the output of a read (whose value, as every route's, is never read)."""
+    return route.new_zeros(()).expand(route.shape)
 
 
 @torch.library.custom_op('depthbench::depth_mix', mutates_args=())
 def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], query: torch.Tensor,
-                 key_gain: torch.Tensor, route: torch.Tensor, routed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The read of DepthMixFunction as one opaque op: (z, a, r). Sources i < routed sit on route slots
-    i; their gradients (and their 1/rms's) come back through the route, width d + 1; the
-    rest (Block AttnRes's partial sum) get theirs as usual.
-    Inside, the sources are stacked READ_CHUNK at a time: a few ops per chunk run eagerly
-    (one op per source was 6.8x Pre-LN's compiled step on a CPU at L = 32; all n stacked
-    at once keeps several (n, B, T, d) temporaries, 35 GB at the 400M L = 32 micro-batch)."""
-    n, dtype = len(sources), _promoted_dtype(sources)
-    acc = torch.promote_types(dtype, torch.float32)
+                 key_gain: torch.Tensor, route: torch.Tensor, routed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The read of DepthMixFunction as one opaque op: (z, a, r, the route after the read).
+    Sources i < routed sit on route slots i; their gradients (and their 1/rms's) come back
+    through the route, width d + 1; the rest (Block AttnRes's partial sum) get theirs as
+    usual. Inside, the same formulas as DepthMixFunction (`mix_forward`)."""
     with no_autocast(query):
-        u = query.to(acc) * key_gain.to(acc)                                          # (d,)
-        r = torch.cat([stacked(sources, i, j, acc) @ u for i, j in chunks(n)])        # (n, B, T)
-        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                       # (n, B, T)
-        a = torch.softmax(r * s, dim=0)
-        z = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)        # (B, T, d)
-        for i, j in chunks(n):
-            z += (a[i:j].unsqueeze(-1) * stacked(sources, i, j, acc)).sum(0)
-    return z.to(dtype), a, r
+        z, a, r = mix_forward(sources, inv_rmses, query, key_gain)
+    return z.to(_promoted_dtype(sources)), a, r, route_after(route)
 
 
 @depth_mix_op.register_fake
@@ -274,60 +278,69 @@ def _(sources, inv_rmses, query, key_gain, route, routed):
     dtype = _promoted_dtype(sources)
     v, n = sources[0], len(sources)
     acc = torch.promote_types(dtype, torch.float32)
-    return v.new_empty(v.shape, dtype=dtype), v.new_empty((n,) + v.shape[:2], dtype=acc), v.new_empty((n,) + v.shape[:2], dtype=acc)
+    return (v.new_empty(v.shape, dtype=dtype), v.new_empty((n,) + v.shape[:2], dtype=acc),
+            v.new_empty((n,) + v.shape[:2], dtype=acc), route_after(route))
 
 
-@torch.library.custom_op('depthbench::depth_mix_backward', mutates_args=())
-def depth_mix_backward_op(gz: torch.Tensor, query: torch.Tensor, key_gain: torch.Tensor, r: torch.Tensor,
-                          sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], n_slots: int,
-                          routed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """The backward of DepthMixFunction (formulas in its docstring), READ_CHUNK sources at a
-    time, as one opaque op: (gw, gg, the route's gradient (n_slots, B, T, d + 1) in fp32,
-    slot i = [gv_i, gs_i] for i < routed, zero after; then gv_i and gs_i of the sources
-    i >= routed, in their dtypes)."""
+@torch.library.custom_op('depthbench::depth_mix_backward', mutates_args=('g',))
+def depth_mix_backward_op(g: torch.Tensor, gz: torch.Tensor, query: torch.Tensor, key_gain: torch.Tensor,
+                          r: torch.Tensor, sources: list[torch.Tensor], inv_rmses: list[torch.Tensor],
+                          routed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of DepthMixFunction (formulas in its docstring) as one opaque op. Adds
+    source i's [gv_i, gs_i] into slot i of g, the route's gradient (N, B, T, d + 1) fp32,
+    in place for i < routed (only the slots read are touched); returns (gw, gg, and the
+    [gv_i, gs_i] of the sources i >= routed stacked, (n - routed, B, T, d + 1) fp32).
+    (A mutating op may not return a list of tensors, hence the stack.)"""
     n, d, acc = len(sources), gz.size(-1), r.dtype
     with no_autocast(query):
-        u = query.to(acc) * key_gain.to(acc)
-        s = torch.cat(inv_rmses, dim=-1).to(acc).movedim(-1, 0)                       # (n, B, T)
-        a = torch.softmax(r * s, dim=0)
         gz = gz.to(acc)
-        p = torch.cat([torch.linalg.vecdot(stacked(sources, i, j, acc), gz) for i, j in chunks(n)])  # (n, B, T)
-        ge = a * (p - (a * p).sum(0, keepdim=True))
-        c = ge * s
-        gu = torch.zeros(d, dtype=acc, device=gz.device)
-        for i, j in chunks(n):
-            gu += c[i:j].reshape(-1) @ stacked(sources, i, j, acc).reshape(-1, d)     # (d,)
-        g = gz.new_empty((n_slots,) + gz.shape[:-1] + (d + 1,), dtype=acc)
-        g[routed:].zero_()
-        for i, j in chunks(routed):  # slot i = [gv_i, gs_i] = [a_i gz + c_i u, ge_i r_i]
-            g[i:j, ..., :d].copy_(a[i:j].unsqueeze(-1) * gz).addcmul_(c[i:j].unsqueeze(-1), u)
-        g[:routed, ..., d] = ge[:routed] * r[:routed]
-        gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(sources[i].dtype) for i in range(routed, n)]
-        gs = [(ge[i] * r[i]).unsqueeze(-1).to(inv_rmses[i].dtype) for i in range(routed, n)]
-    return (gu * key_gain.to(acc)).to(query.dtype), (gu * query.to(acc)).to(key_gain.dtype), g, gv, gs
+        u, a, ge, c, gu = mix_backward_terms(gz, None, query, key_gain, r, sources, inv_rmses)
+        k = routed  # slot i += [gv_i, gs_i] = [a_i gz + c_i u, ge_i r_i], all k slots in one op each
+        g[:k, ..., :d].addcmul_(a[:k].unsqueeze(-1), gz).addcmul_(c[:k].unsqueeze(-1), u)
+        g[:k, ..., d] += ge[:k] * r[:k]
+        rest = g.new_empty((0,) + g.shape[1:]) if k == n else torch.cat(
+            [(a[k:].unsqueeze(-1) * gz).addcmul_(c[k:].unsqueeze(-1), u), (ge[k:] * r[k:]).unsqueeze(-1)],
+            dim=-1)                                                                   # (n - k, B, T, d + 1)
+    return (gu * key_gain.to(acc)).to(query.dtype), (gu * query.to(acc)).to(key_gain.dtype), rest
 
 
 @depth_mix_backward_op.register_fake
-def _(gz, query, key_gain, r, sources, inv_rmses, n_slots, routed):
+def _(g, gz, query, key_gain, r, sources, inv_rmses, routed):
     return (torch.empty_like(query), torch.empty_like(key_gain),
-            gz.new_empty((n_slots,) + gz.shape[:-1] + (gz.size(-1) + 1,), dtype=r.dtype),
-            [torch.empty_like(v) for v in sources[routed:]], [torch.empty_like(t) for t in inv_rmses[routed:]])
+            g.new_empty((len(sources) - routed,) + g.shape[1:]))
+
+
+def route_grad(g, ctx):
+    """The incoming gradient of a read's output route, which the read's backward adds to in
+    place: zeros (N, ...) fp32 when nothing after the read used the route (the last read),
+    a dense copy if it came as a broadcast (a zero-stride tensor cannot be written)."""
+    if g is None:
+        return torch.zeros(ctx.route_shape, dtype=ctx.route_dtype, device=ctx.route_device)
+    return g.contiguous()
+
+
+def _save_route(ctx, route):
+    ctx.route_shape, ctx.route_dtype, ctx.route_device = route.shape, route.dtype, route.device
 
 
 def _depth_mix_setup(ctx, inputs, output):
     sources, inv_rmses, query, key_gain, route, routed = inputs
-    ctx.n, ctx.n_slots, ctx.routed = len(sources), route.size(0), routed
+    ctx.n, ctx.routed = len(sources), routed
+    _save_route(ctx, route)
     ctx.save_for_backward(query, key_gain, output[2], *sources, *inv_rmses)
     ctx.mark_non_differentiable(output[1], output[2])  # a is for traces only; r is saved
 
 
-def _depth_mix_op_backward(ctx, gz, ga, gr):
+def _depth_mix_op_backward(ctx, gz, ga, gr, groute):
     query, key_gain, r, *tensors = ctx.saved_tensors
-    n = ctx.n
+    n, k = ctx.n, ctx.routed
     gz = torch.zeros_like(tensors[0]) if gz is None else gz
-    k = ctx.routed
-    gw, gg, groute, gv, gs = depth_mix_backward_op(gz, query, key_gain, r, tensors[:n], tensors[n:], ctx.n_slots, k)
-    return [None] * k + list(gv), [None] * k + list(gs), gw, gg, groute, None
+    groute = route_grad(groute, ctx)  # the later reads' sum: this read adds its own to it, in place
+    gw, gg, rest = depth_mix_backward_op(groute, gz, query, key_gain, r, tensors[:n], tensors[n:], k)
+    d = gz.size(-1)
+    gv = [None] * k + [g[..., :d].to(v.dtype) for g, v in zip(rest, tensors[k:n])]
+    gs = [None] * k + [g[..., d:].to(t.dtype) for g, t in zip(rest, tensors[n + k:])]
+    return gv, gs, gw, gg, groute, None
 
 
 depth_mix_op.register_autograd(_depth_mix_op_backward, setup_context=_depth_mix_setup)
@@ -335,68 +348,58 @@ depth_mix_op.register_autograd(_depth_mix_op_backward, setup_context=_depth_mix_
 
 @torch.library.custom_op('depthbench::depth_read', mutates_args=())
 def depth_read_op(q: torch.Tensor, depth_k: list[torch.Tensor], depth_v: list[torch.Tensor], scale: float,
-                  route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The read of DepthReadFunction as one opaque op, READ_CHUNK slots stacked at a time: (y, lse, a).
-    Slot j's key and value sit on route slot j, width 2 hd ([K_j, V_j])."""
-    S, acc = len(depth_k), torch.promote_types(q.dtype, torch.float32)
+                  route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The read of DepthReadFunction as one opaque op (the same formulas, `read_forward`):
+    (y, lse, a, the route after the read). Slot j's key and value sit on route slot j,
+    width 2 hd ([K_j, V_j])."""
     with no_autocast(q):
-        qa = q.to(acc)                                                                  # (B, H_kv, G, T, hd)
-        d = torch.cat([torch.linalg.vecdot(qa, stacked(depth_k, i, j, acc).unsqueeze(3))
-                       for i, j in chunks(S)]) * scale                                 # (S, B, H_kv, G, T)
-        lse = torch.logsumexp(d, dim=0)
-        a = torch.exp(d - lse)
-        y = torch.zeros(q.shape, dtype=acc, device=q.device)
-        for i, j in chunks(S):
-            y += (a[i:j].unsqueeze(-1) * stacked(depth_v, i, j, acc).unsqueeze(3)).sum(0)
-    return y.to(q.dtype), lse, a
+        y, lse, a = read_forward(q, depth_k, depth_v, scale)
+    return y.to(q.dtype), lse, a, route_after(route)
 
 
 @depth_read_op.register_fake
 def _(q, depth_k, depth_v, scale, route):
     acc = torch.promote_types(q.dtype, torch.float32)
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=acc), q.new_empty((len(depth_k),) + q.shape[:-1], dtype=acc)
+    return (torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=acc),
+            q.new_empty((len(depth_k),) + q.shape[:-1], dtype=acc), route_after(route))
 
 
-@torch.library.custom_op('depthbench::depth_read_backward', mutates_args=())
-def depth_read_backward_op(gy: torch.Tensor, glse: torch.Tensor, q: torch.Tensor, a: torch.Tensor,
-                           depth_k: list[torch.Tensor], depth_v: list[torch.Tensor], scale: float,
-                           n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward of DepthReadFunction (formulas in its docstring), READ_CHUNK slots at a
-    time, as one opaque op: (gq, the route's gradient (n_slots, B, H_kv, T, 2 hd) in fp32,
-    slot j = [gK_j, gV_j] for j < S, zero after)."""
-    S, acc, hd = len(depth_k), a.dtype, q.size(-1)
+@torch.library.custom_op('depthbench::depth_read_backward', mutates_args=('g',))
+def depth_read_backward_op(g: torch.Tensor, gy: torch.Tensor, glse: torch.Tensor, q: torch.Tensor, a: torch.Tensor,
+                           depth_k: list[torch.Tensor], depth_v: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """The backward of DepthReadFunction (formulas in its docstring) as one opaque op. Adds
+    [gK_j, gV_j] into slot j < S of g, the route's gradient (N, B, H_kv, T, 2 hd) fp32, in
+    place; returns gq."""
+    hd = q.size(-1)
     with no_autocast(q):
-        qa, gy = q.to(acc), gy.to(acc)
-        p = torch.cat([torch.linalg.vecdot(gy, stacked(depth_v, i, j, acc).unsqueeze(3)) for i, j in chunks(S)])
-        gd = a * (p - (a * p).sum(0, keepdim=True) + glse) * scale                       # (S, B, H_kv, G, T)
-        g = a.new_empty((n_slots,) + depth_k[0].shape[:-1] + (2 * hd,))
-        g[S:].zero_()
-        gq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        for i, j in chunks(S):  # the query heads G of a K/V head are dim 3 of (chunk, B, H_kv, G, T, hd)
-            gq += (gd[i:j].unsqueeze(-1) * stacked(depth_k, i, j, acc).unsqueeze(3)).sum(0)
-            g[i:j, ..., :hd] = (gd[i:j].unsqueeze(-1) * qa).sum(3)                     # gK_j
-            g[i:j, ..., hd:] = (a[i:j].unsqueeze(-1) * gy).sum(3)                      # gV_j
-    return gq.to(q.dtype), g
+        gy, gd, gq = read_backward_terms(gy, glse, q, a, depth_k, depth_v, scale)
+        qa = q.to(a.dtype)
+        for j in range(len(depth_k)):
+            g[j, ..., :hd] += group_sum(gd[j].unsqueeze(-1) * qa)                       # gK_j
+            g[j, ..., hd:] += group_sum(a[j].unsqueeze(-1) * gy)                        # gV_j
+    return gq.to(q.dtype)
 
 
 @depth_read_backward_op.register_fake
-def _(gy, glse, q, a, depth_k, depth_v, scale, n_slots):
-    return torch.empty_like(q), a.new_empty((n_slots,) + depth_k[0].shape[:-1] + (2 * q.size(-1),))
+def _(g, gy, glse, q, a, depth_k, depth_v, scale):
+    return torch.empty_like(q)
 
 
 def _depth_read_setup(ctx, inputs, output):
     q, depth_k, depth_v, scale, route = inputs
-    ctx.S, ctx.scale, ctx.n_slots = len(depth_k), scale, route.size(0)
+    ctx.S, ctx.scale = len(depth_k), scale
+    _save_route(ctx, route)
     ctx.save_for_backward(q, output[2], *depth_k, *depth_v)
     ctx.mark_non_differentiable(output[2])
 
 
-def _depth_read_op_backward(ctx, gy, glse, ga):
+def _depth_read_op_backward(ctx, gy, glse, ga, groute):
     q, a, *slots = ctx.saved_tensors
     S = ctx.S
     gy = torch.zeros_like(q) if gy is None else gy
     glse = torch.zeros_like(a[0]) if glse is None else glse
-    gq, groute = depth_read_backward_op(gy, glse, q, a, slots[:S], slots[S:], ctx.scale, ctx.n_slots)
+    groute = route_grad(groute, ctx)
+    gq = depth_read_backward_op(groute, gy, glse, q, a, slots[:S], slots[S:], ctx.scale)
     return gq, [None] * S, [None] * S, None, groute
 
 
@@ -586,15 +589,7 @@ class DepthReadFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, scale, *slots):
         S = len(slots) // 2
-        K, V = slots[:S], slots[S:]
-        acc = torch.promote_types(q.dtype, torch.float32)
-        qa = q.to(acc)                                                                       # scores in fp32 (no-op for fp32)
-        d = torch.stack([torch.linalg.vecdot(qa, Kj.unsqueeze(2).to(acc)) for Kj in K]) * scale  # (S, B, H_kv, G, T)
-        lse = torch.logsumexp(d, dim=0)                                                     # (B, H_kv, G, T)
-        a = torch.exp(d - lse)                                                              # (S, B, H_kv, G, T)
-        y = torch.zeros(q.shape, dtype=acc, device=q.device)
-        for j, Vj in enumerate(V):  # in place: one buffer, not S fresh (B, H_kv, G, T, hd) tensors
-            y.addcmul_(a[j].unsqueeze(-1), Vj.unsqueeze(2))
+        y, lse, a = read_forward(q, slots[:S], slots[S:], scale)
         ctx.scale = scale
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, a, *slots)
@@ -606,8 +601,34 @@ class DepthReadFunction(torch.autograd.Function):
         q, a, *slots = ctx.saved_tensors
         S = len(slots) // 2
         K, V = slots[:S], slots[S:]
-        acc, G = a.dtype, q.size(2)
-        group_sum = (lambda t: t.squeeze(2)) if G == 1 else (lambda t: t.sum(2))  # over the query heads of a K/V head
+        gy, gd, gq = read_backward_terms(gy, glse, q, a, K, V, ctx.scale)
+        gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
+        gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
+        return (gq.to(q.dtype), None, *gK, *gV)
+
+
+def read_forward(q, K, V, scale):
+    """DepthReadFunction's forward formulas: (y (B, H_kv, G, T, hd), lse (B, H_kv, G, T),
+    a (S, B, H_kv, G, T)), in fp32 (fp64 for fp64). The sum over slots is one in-place add
+    per slot into one buffer, not S fresh (B, H_kv, G, T, hd) tensors."""
+    with no_autocast(q):  # fp32 math, as documented, also under autocast
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qa = q.to(acc)                                                                       # scores in fp32 (no-op for fp32)
+        d = torch.stack([torch.linalg.vecdot(qa, Kj.unsqueeze(2).to(acc)) for Kj in K]) * scale  # (S, B, H_kv, G, T)
+        lse = torch.logsumexp(d, dim=0)                                                     # (B, H_kv, G, T)
+        a = torch.exp(d - lse)                                                              # (S, B, H_kv, G, T)
+        y = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for j, Vj in enumerate(V):
+            y.addcmul_(a[j].unsqueeze(-1), Vj.unsqueeze(2))
+        return y, lse, a
+
+
+def read_backward_terms(gy, glse, q, a, K, V, scale):
+    """The backward of DepthReadFunction up to the slots' gradients: (gy in a's dtype or
+    None, gd (S, B, H_kv, G, T), gq in a's dtype); formulas in DepthReadFunction's docstring.
+    gK_j = group_sum(gd_j q) and gV_j = group_sum(a_j gy)."""
+    with no_autocast(q):  # fp32 math, as documented, also under autocast
+        acc = a.dtype
         if gy is None:
             p = torch.zeros_like(a)
         else:
@@ -616,13 +637,16 @@ class DepthReadFunction(torch.autograd.Function):
         gd = p - (a * p).sum(0, keepdim=True)
         if glse is not None:
             gd = gd + glse
-        gd = a * gd * ctx.scale                                                              # (S, B, H_kv, G, T)
+        gd = a * gd * scale                                                                  # (S, B, H_kv, G, T)
         gq = torch.zeros(q.shape, dtype=acc, device=q.device)
         for j, Kj in enumerate(K):
             gq.addcmul_(gd[j].unsqueeze(-1), Kj.unsqueeze(2))
-        gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
-        gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
-        return (gq.to(q.dtype), None, *gK, *gV)
+        return gy, gd, gq
+
+
+def group_sum(t):
+    """t (B, H_kv, G, T, hd) summed over the G query heads of each key/value head."""
+    return t.squeeze(2) if t.size(2) == 1 else t.sum(2)
 
 
 # the fused CPU attention kernel that also returns the log-sum-exp of each query's scores
@@ -701,7 +725,8 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None, route=None):
     depth_k, depth_v: sequences of S >= 0 slots (B, H_kv, T, hd) (S = 0: plain causal
     attention). GQA: query head i reads key/value head i // (H / H_kv). Returns y (B, H, T, hd).
     route: None (eager), or under torch.compile the `open_route` whose slots 0..S-1 hold the
-    depth slots ([K_j, V_j], `route_write`): the depth read is then one opaque op.
+    depth slots ([K_j, V_j], `route_write`): the depth read is then one opaque op, and
+    (y, the route after the read) is returned (S = 0: the same route).
     Raises ValueError for shapes that do not fit the above, an unknown method, or
     'flash_cpu' off the CPU or without the kernel.
     `depth_attention_reference` is the same function written as the plain formula."""
@@ -716,19 +741,22 @@ def depth_attention(q, k, v, depth_k, depth_v, method=None, route=None):
                          f"got {method!r} on {q.device.type}")
     gqa = H != Hkv
     if S == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return y if route is None else (y, route)
     scale = hd ** -0.5
     q5 = q.view(B, Hkv, H // Hkv, T, hd)
     if route is None:
         y_dep, lse = DepthReadFunction.apply(q5, scale, *depth_k, *depth_v)
     else:
-        y_dep, lse, _ = depth_read_op(q5, list(depth_k), list(depth_v), scale, route)
+        y_dep, lse, _, route = depth_read_op(q5, list(depth_k), list(depth_v), scale, route)
     y_dep, lse = y_dep.view(B, H, T, hd), lse.view(B, H, T)
     if method == 'null_key':
-        return merge_null_key(q, k, v, y_dep, lse, scale)
-    if gqa:  # the kernel has no GQA: repeat each key/value head for its H / H_kv query heads
-        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-    return MergeDepthFunction.apply(q, k, v, y_dep, lse, scale)
+        y = merge_null_key(q, k, v, y_dep, lse, scale)
+    else:
+        if gqa:  # the kernel has no GQA: repeat each key/value head for its H / H_kv query heads
+            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        y = MergeDepthFunction.apply(q, k, v, y_dep, lse, scale)
+    return y if route is None else (y, route)
 
 
 def check_depth_attention_args(q, k, v, depth_k, depth_v):

@@ -181,7 +181,9 @@ class DepthMixer(nn.Module):
         self.key_norm = RMSNorm(cfg.n_embd, cfg.attnres_eps)  # its eps is the 1/rms the state carries
 
     def forward(self, sources, inv_rmses, route=None, routed=None):
-        return depth_mix(sources, inv_rmses, self.query, self.key_norm.weight, route, routed)
+        """(z, a, the route after the read: None without one), `ops.depth_mix`'s."""
+        out = depth_mix(sources, inv_rmses, self.query, self.key_norm.weight, route, routed)
+        return out if route is not None else (*out, None)
 
 
 class AttnResLayer(PreNormLayer):
@@ -260,11 +262,11 @@ class AttnRes(Residual):
         p, eps = self.layers[b], self.cfg.attnres_eps
         f = layer.attn(self.attn_input(p, mix, len(sources) == 1), rope)
         sources, inv_rmses, route = self.add_source(sources, inv_rmses, route, f)
-        z, a = p.mlp_mix(sources, inv_rmses, route)
+        z, a, route = p.mlp_mix(sources, inv_rmses, route)
         self.record(b, 1, weights=a)
         f = layer.mlp(rms_norm_eps(z, p.mlp_norm, eps))
         sources, inv_rmses, route = self.add_source(sources, inv_rmses, route, f)
-        mix, a = p.out_mix(sources, inv_rmses, route)
+        mix, a, route = p.out_mix(sources, inv_rmses, route)
         self.record(b + 1, 0, weights=a)  # the read of the next block's attention (or the final one)
         return sources, inv_rmses, mix, route
 
@@ -681,11 +683,11 @@ class BlockAttnRes(AttnRes):
             sources, inv_rmses, route = self.freeze(sources, inv_rmses, partial, route)
             partial = None
         if partial is None:
-            z, a = mixer(sources, inv_rmses, route)
+            z, a, route = mixer(sources, inv_rmses, route)
             current = -1
         else:  # P is not on the route: it changes at every sublayer, and is read once
-            z, a = mixer(sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.attnres_eps),), route,
-                         len(sources))
+            z, a, route = mixer(sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.attnres_eps),),
+                                route, len(sources))
             current = len(sources)
         if self.tape is not None:
             self.record(b, j, weights=a, current=torch.tensor(current))
@@ -1053,7 +1055,8 @@ class MoDA(Residual):
         q, k, v = attn.qkv(prm.attn_norm(h))  # (B, H, T, hd), (B, H_kv, T, hd) x2, before RoPE
         S = 2 * p if self.use_depth else 0    # the depth slots this block reads
         cos, sin = rope
-        y = depth_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, K[:S], V[:S], route=route)
+        args = (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, K[:S], V[:S])
+        y, route = (depth_attention(*args), None) if route is None else depth_attention(*args, route=route)
         h = h + attn.out(y)
         K, V, route = put_slot(K, 2 * p, k), put_slot(V, 2 * p, v), route_write(route, 2 * p, k, v)
         x = prm.mlp_norm(h)

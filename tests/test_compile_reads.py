@@ -45,71 +45,84 @@ def route_for(n_slots, slot_shape):
 
 def test_ops_pass_opcheck():
     """Schema, fake (shape-only) implementations and autograd registration of every op,
-    as torch.compile relies on them."""
+    as torch.compile relies on them (the backward ops add into the route's gradient in place)."""
     sources, inv, w, g = mix_inputs()
     sources = [v.requires_grad_() for v in sources]
     route = route_for(6, (2, 3, 9)).requires_grad_()
     torch.library.opcheck(depth_mix_op, (sources, inv, w.requires_grad_(), g.requires_grad_(), route, 3))
     with torch.no_grad():  # the backward ops have no backward of their own
         sources, w, g = [v.detach() for v in sources], w.detach(), g.detach()
-        z, a, r = depth_mix_op(sources, inv, w, g, route, 3)
-        torch.library.opcheck(depth_mix_backward_op, (torch.randn_like(z), w, g, r, sources, inv, 6, 3))
+        z, a, r, _ = depth_mix_op(sources, inv, w, g, route, 3)
+        groute = torch.randn(6, 2, 3, 9, **f64)
+        torch.library.opcheck(depth_mix_backward_op, (groute, torch.randn_like(z), w, g, r, sources, inv, 3))
     q, K, V = read_inputs()
     route = route_for(5, (2, 2, 3, 8)).requires_grad_()
     torch.library.opcheck(depth_read_op, (q.requires_grad_(), K, V, 0.5, route))
     with torch.no_grad():
         q = q.detach()
-        y, lse, a = depth_read_op(q, K, V, 0.5, route)
-        torch.library.opcheck(depth_read_backward_op, (torch.randn_like(y), torch.randn_like(lse), q, a, K, V, 0.5, 5))
+        y, lse, a, _ = depth_read_op(q, K, V, 0.5, route)
+        groute = torch.randn(5, 2, 2, 3, 8, **f64)
+        torch.library.opcheck(depth_read_backward_op, (groute, torch.randn_like(y), torch.randn_like(lse), q, a, K, V, 0.5))
     torch.library.opcheck(route_slot, (torch.randn(4, 2, 3, **f64), 2))
 
 
 @pytest.mark.parametrize('routed', [11, 9])
 def test_routed_depth_mix_gradients_are_the_functions(routed):
-    """Sources put on a route (one write each, as AttnRes does under compile) and read by
-    the opaque op get exactly DepthMixFunction's gradients, 1/rms included, in fp64; so do
-    the query and key gain. The read uses the first n of N > n slots, n = 11 > READ_CHUNK;
-    with routed = 9 the last two sources are not on the route (as Block AttnRes's partial
-    sum) and get their gradients directly."""
-    assert 11 > ops.READ_CHUNK
+    """Sources put on a route (one write each, as AttnRes does under compile) and read twice
+    by the opaque op, first the first 7 and then all 11, get exactly DepthMixFunction's
+    gradients, 1/rms included, in fp64; so do the queries and key gains. The second read's
+    contributions reach the sources through the first read, which adds its own to the same
+    route gradient in place; N = 13 > 11 slots. With routed = 9 the second read's last two
+    sources are not on the route (as Block AttnRes's partial sum) and get their gradients
+    directly."""
     sources, _, w, g = mix_inputs(n=11)
     outs = {}
-    for routed in (False, True):
+    for routed_ in (False, True):
         vs = [v.clone().requires_grad_() for v in sources]
-        ws, gs = w.clone().requires_grad_(), g.clone().requires_grad_()
+        ws = [t.clone().requires_grad_() for t in (w, w.flip(0))]
+        gs = [t.clone().requires_grad_() for t in (g, g.roll(1))]
         inv = [torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5) for v in vs]
-        if routed:
+        if routed_:
             route = route_for(13, (2, 3, 9))
-            for i, (v, s) in enumerate(zip(vs[:routed], inv)):
-                route = RouteWrite.apply(route, i, v, s)
-            z = ops.depth_mix(vs, inv, ws, gs, route, routed)[0]
+            for i in range(7):
+                route = RouteWrite.apply(route, i, vs[i], inv[i])
+            z1, _, route = ops.depth_mix(vs[:7], inv[:7], ws[0], gs[0], route)
+            for i in range(7, routed):
+                route = RouteWrite.apply(route, i, vs[i], inv[i])
+            z2 = ops.depth_mix(vs, inv, ws[1], gs[1], route, routed)[0]
         else:
-            z = DepthMixFunction.apply(ws, gs, *vs, *inv)[0]
-        (z * torch.linspace(-1, 2, z.numel(), **f64).view_as(z)).sum().backward()
-        outs[routed] = [t.grad for t in (*vs, ws, gs)]
+            z1 = DepthMixFunction.apply(ws[0], gs[0], *vs[:7], *inv[:7])[0]
+            z2 = DepthMixFunction.apply(ws[1], gs[1], *vs, *inv)[0]
+        (z1.cos().sum() + (z2 * torch.linspace(-1, 2, z2.numel(), **f64).view_as(z2)).sum()).backward()
+        outs[routed_] = [t.grad for t in (*vs, *ws, *gs)]
     for a, b in zip(outs[False], outs[True]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_routed_depth_read_gradients_are_the_function():
-    """MoDA's depth read through the opaque op and a route gives DepthReadFunction's
-    gradients for q and for every slot's key and value (fp64), with lse's gradient too;
-    S = 11 > READ_CHUNK slots."""
+    """MoDA's depth reads through the opaque op and a route give DepthReadFunction's
+    gradients for q and for every slot's key and value (fp64), with lse's gradient too:
+    a read of the first 6 slots, then of all S = 11, the second adding into the route
+    gradient the first one passes on."""
     q, K, V = read_inputs(S=11)
     outs = {}
     for routed in (False, True):
-        qq = q.clone().requires_grad_()
+        qs = [t.clone().requires_grad_() for t in (q, q.flip(-1))]
         Ks = [k.clone().requires_grad_() for k in K]
         Vs = [v.clone().requires_grad_() for v in V]
         if routed:
             route = route_for(12, (2, 2, 3, 8))
-            for j in range(11):
+            for j in range(6):
                 route = RouteWrite.apply(route, j, Ks[j], Vs[j])
-            y, lse, _ = depth_read_op(qq, Ks, Vs, 0.5, route)
+            y1, lse1, _, route = depth_read_op(qs[0], Ks[:6], Vs[:6], 0.5, route)
+            for j in range(6, 11):
+                route = RouteWrite.apply(route, j, Ks[j], Vs[j])
+            y, lse, _, _ = depth_read_op(qs[1], Ks, Vs, 0.5, route)
         else:
-            y, lse = DepthReadFunction.apply(qq, 0.5, *Ks, *Vs)
-        (y.sin().sum() + (lse * lse).sum()).backward()
-        outs[routed] = [t.grad for t in (qq, *Ks, *Vs)]
+            y1, lse1 = DepthReadFunction.apply(qs[0], 0.5, *Ks[:6], *Vs[:6])
+            y, lse = DepthReadFunction.apply(qs[1], 0.5, *Ks, *Vs)
+        (y1.sum() + lse1.exp().sum() + y.sin().sum() + (lse * lse).sum()).backward()
+        outs[routed] = [t.grad for t in (*qs, *Ks, *Vs)]
     for a, b in zip(outs[False], outs[True]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -167,3 +180,22 @@ def test_compiled_graph_grows_linearly_in_depth(residual, depths, monkeypatch):
         monkeypatch.setattr(ops, 'UNROLL_DEPTH_READS', True)
         u = [traced_sizes(residual, L) for L in depths]
         assert u[2][1] - u[1][1] > u[1][1] - u[0][1], u
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('residual,op', [('attnres', 'depth_mix_backward'), ('moda', 'depth_read_backward')])
+def test_inductor_keeps_one_route_gradient_buffer(residual, op):
+    """With inductor, every read's backward adds into the same route-gradient buffer (the
+    in-place adds are not turned into copies of all 2L + 1 slots per read, which would put
+    O(L^2) slot traffic back into the step). Read off the generated code: the first argument
+    of every call of the backward op is one buffer name."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    model = randomized(residual, L=3, **({'n_kv_head': 2} if residual == 'moda' else {}))
+    fn = torch.compile(model)
+    idx = torch.randint(0, 31, (2, 16))
+    _, codes = run_and_get_code(lambda: fn(idx, idx)[1].backward())
+    bufs = re.findall(rf'torch\.ops\.depthbench\.{op}\.default\((\w+),', '\n'.join(codes))
+    reads = 6 if residual == 'attnres' else 2  # 2 per AttnRes block; MoDA's blocks 1 and 2 (block 0 reads no slot)
+    assert len(bufs) == reads and len(set(bufs)) == 1, bufs

@@ -40,8 +40,9 @@ def test_predicted_activations_match_measured_saved_bytes(residual):
 
 
 @pytest.mark.parametrize('residual', list(RESIDUALS))
-def test_compiled_read_workspace_is_three_route_gradients(residual, monkeypatch):
+def test_compiled_read_workspace_is_three_routes(residual, monkeypatch):
     """With compiled=True the workspace term is 3 x the bytes of the route the scheme opens
+    (its gradient, and a read's stacked sources and their product)
     under torch.compile (built here by calling begin as if compiling, so the formula in
     route_bytes_per_token is checked against the real tensor); 0 without a route or when
     not compiled. AttnRes, Block AttnRes and MoDA have one."""
