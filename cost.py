@@ -762,12 +762,9 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
                   the start of the backward);
       read_workspace  with compiled=True, for schemes whose depth reads return their
                   gradients along a route under torch.compile (AttnRes, Block AttnRes, MoDA;
-                  ops.py): 3 x the route's gradient, B T x `route_bytes_per_token()`: the
-                  gradient itself (one buffer, which every read adds into in place), and a
-                  read's two temporaries, its stacked sources and their product, each at
-                  most that size (less once ops.READ_CHUNK_BYTES caps the stack: then an
-                  upper bound, kept linear in B so that the micro-batch can be planned).
-                  0 otherwise;
+                  ops.py): the route's gradient, B T x `route_bytes_per_token()`: one
+                  buffer through the whole backward, which every read adds into in place
+                  (a read's own temporaries are a few (B, T, d) tensors). 0 otherwise;
       total       their sum: the peak, as the backward begins;
       per_sequence  the bytes of the parts above that scale with the micro-batch, per sequence.
     `model`: an existing GPT of this config on `device` to probe (none is built then).
@@ -786,7 +783,7 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
     if own:
         del model
     out = dict(params=4 * n, grads=4 * n, adamw=8 * n, activations=probe * batch * seq_len / T,
-               logits_grad=4 * batch * seq_len * cfg.vocab_size, read_workspace=3 * route * batch * seq_len)
+               logits_grad=4 * batch * seq_len * cfg.vocab_size, read_workspace=route * batch * seq_len)
     out['total'] = sum(out.values())
     out['activations_per_token'] = probe / T
     out['per_sequence'] = (out['activations'] + out['logits_grad'] + out['read_workspace']) / batch  # what B scales

@@ -67,7 +67,7 @@ def test_ops_pass_opcheck():
 
 
 @pytest.mark.parametrize('routed', [11, 9])
-def test_routed_depth_mix_gradients_are_the_functions(routed):
+def test_routed_depth_mix_gradients_are_the_functions(routed, read_form):
     """Sources put on a route (one write each, as AttnRes does under compile) and read twice
     by the opaque op, first the first 7 and then all 11, get exactly DepthMixFunction's
     gradients, 1/rms included, in fp64; so do the queries and key gains. The second read's
@@ -99,7 +99,7 @@ def test_routed_depth_mix_gradients_are_the_functions(routed):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_routed_depth_read_gradients_are_the_function():
+def test_routed_depth_read_gradients_are_the_function(read_form):
     """MoDA's depth reads through the opaque op and a route give DepthReadFunction's
     gradients for q and for every slot's key and value (fp64), with lse's gradient too:
     a read of the first 6 slots, then of all S = 11, the second adding into the route

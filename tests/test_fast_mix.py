@@ -52,13 +52,13 @@ def grads(fn, sources, inv, query, gain, weight_a=True):
 # the custom Function against the plain formula
 
 
-def test_gradcheck_float64():
+def test_gradcheck_float64(read_form):
     sources, inv, query, gain = mix_inputs(n=3, B=2, T=3, d=4)
     fn = lambda q, g, *t: DepthMixFunction.apply(q, g, *t)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (query, gain, *sources, *inv))
 
 
-def test_gradcheck_float64_partial_requires_grad():
+def test_gradcheck_float64_partial_requires_grad(read_form):
     """Sources that need no gradient (e.g. a frozen embedding) get none; the rest stay exact."""
     sources, inv, query, gain = mix_inputs(n=4, B=1, T=2, d=3, seed=1)
     sources[0].requires_grad_(False)
@@ -68,7 +68,7 @@ def test_gradcheck_float64_partial_requires_grad():
 
 
 @pytest.mark.parametrize('n', [1, 2, 7])
-def test_equals_reference_float64(n):
+def test_equals_reference_float64(n, read_form):
     inputs = mix_inputs(n=n, B=2, T=5, d=8, seed=n)
     fast, ref = grads(depth_mix, *inputs), grads(depth_mix_reference, *inputs)
     for got, want in zip(fast, ref):
@@ -84,7 +84,7 @@ def test_equals_reference_float32():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_close_to_reference_bf16_autocast():
+def test_close_to_reference_bf16_autocast(read_form):
     """An fp32 embedding and bf16 sublayer outputs under CPU bf16 autocast, as in mixed
     precision training: both implementations agree to bf16 precision, and every gradient
     comes back in its input's dtype."""

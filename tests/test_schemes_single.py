@@ -306,7 +306,7 @@ METHODS = ['flash_cpu', 'null_key']  # the two exact merges of depth_attention, 
 
 @pytest.mark.parametrize('method', METHODS)
 @pytest.mark.parametrize('H,Hkv,S', [(4, 4, 3), (4, 2, 2), (4, 1, 5), (2, 1, 0)])
-def test_depth_attention_is_one_joint_softmax(H, Hkv, S, method):
+def test_depth_attention_is_one_joint_softmax(H, Hkv, S, method, read_form):
     g = torch.Generator().manual_seed(0)
     B, T, hd = 2, 6, 8
     q = torch.randn(B, H, T, hd, generator=g)
@@ -324,7 +324,7 @@ def test_depth_attention_is_one_joint_softmax(H, Hkv, S, method):
 
 @pytest.mark.parametrize('method', METHODS)
 @pytest.mark.parametrize('H,Hkv,S', [(4, 4, 3), (4, 2, 2), (2, 1, 1)])
-def test_depth_attention_gradients(H, Hkv, S, method):
+def test_depth_attention_gradients(H, Hkv, S, method, read_form):
     """Both merges (MergeDepthFunction's hand-written backward through the CPU kernel's,
     the null-key SDPA form) and DepthReadFunction's backward: gradcheck in fp64, and the
     same gradients as the explicit-score formula left to autograd."""
@@ -346,7 +346,7 @@ def test_depth_attention_gradients(H, Hkv, S, method):
 
 
 @pytest.mark.parametrize('method', METHODS)
-def test_depth_attention_bf16_close_to_fp32(method):
+def test_depth_attention_bf16_close_to_fp32(method, read_form):
     g = torch.Generator().manual_seed(2)
     B, H, Hkv, T, hd, S = 2, 4, 2, 32, 16, 4
     q = 2 * torch.randn(B, H, T, hd, generator=g)
