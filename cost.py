@@ -764,7 +764,8 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
                   gradients along a route under torch.compile (AttnRes, Block AttnRes, MoDA;
                   ops.py): the route's gradient, B T x `route_bytes_per_token()`: one
                   buffer through the whole backward, which every read adds into in place
-                  (a read's own temporaries are a few (B, T, d) tensors). 0 otherwise;
+                  (a read's own temporaries: its stack of at most ops.STACK_BYTES, or a few
+                  (B, T, d) tensors). 0 otherwise;
       total       their sum: the peak, as the backward begins;
       per_sequence  the bytes of the parts above that scale with the micro-batch, per sequence.
     `model`: an existing GPT of this config on `device` to probe (none is built then).

@@ -44,9 +44,10 @@ class DepthMixFunction(torch.autograd.Function):
     pass, which ran out of memory in public ports. This saves only the n dot products
     r (n, B, T) per token and references to the sources and their 1/rms (alive anyway:
     they are earlier sublayers' outputs, kept in the AttnRes state); backward recomputes
-    the softmax weights a from them, a cheap (n, B, T) op. Every sum over sources is a
-    loop over the n tensors, never an (n, B, T, d) stack: on the CPU that is also the
-    fastest form (tiny batched matmuls are slow there). Under torch.compile `depth_mix`
+    the softmax weights a from them, a cheap (n, B, T) op. Every sum over sources is
+    batched over a stack only while that stack is small enough to stay in cache, else a
+    loop of in-place ops over the n tensors (`stack_if_small`); no stack is kept for the
+    backward. Under torch.compile `depth_mix`
     calls the opaque `depth_mix_op` instead (unless UNROLL_DEPTH_READS, when inductor
     traces and fuses these loops, at a compile time that grows as L^2).
 
@@ -257,10 +258,14 @@ class RouteWrite(torch.autograd.Function):
 
 
 def route_write(route, k, *tensors):
-    """`RouteWrite` of tensors on slot k, or None (no route: outside torch.compile)."""
+    """`RouteWrite` of tensors on slot k, or None (no route: outside torch.compile). Under
+    no_grad (evaluation, inference) the same route: there is no gradient to route, and
+    torch.compile does not trace the Function's forward there (a graph break per block)."""
     if route is None:
         return None
     assert 0 <= k < route.size(0) and sum(t.size(-1) for t in tensors) == route.size(-1)
+    if not torch.is_grad_enabled():
+        return route
     return RouteWrite.apply(route, k, *tensors)
 
 
@@ -600,8 +605,9 @@ class DepthReadFunction(torch.autograd.Function):
         y = sum_j a_j V_j  (B, H_kv, G, T, hd),   lse = log sum_j exp(d_j)  (B, H_kv, G, T) fp32.
     Why by hand: autograd on a stacked (B, H_kv, T, S, hd) copy of the slots keeps that copy
     for the backward at every block, O(L^2 B T d) bytes per pass, and per-token
-    (1 x hd)(hd x S) products run as slow batched matmuls. Here every sum over slots is a
-    loop over the S tensors (alive anyway: they are the depth cache), and the backward
+    (1 x hd)(hd x S) products run as slow batched matmuls. Here every sum over slots is
+    batched over a small stack or a loop over the S tensors (`stack_if_small`; the slots
+    are alive anyway: they are the depth cache), and the backward
     saves only a (S numbers per query) and references. With incoming gy, glse and
     p_j = gy . V_j:  gd_j = a_j (p_j - sum_i a_i p_i + glse),
         gq = scale sum_j gd_j K_j,  gK_j = scale sum_G gd_j q,  gV_j = sum_G a_j gy."""

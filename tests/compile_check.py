@@ -6,7 +6,9 @@ import torch
 
 def assert_compiled_matches_eager(model, idx, rtol=1e-4, atol=1e-6):
     """model(idx, idx) compiled twice: one graph, no graph break, no recompile on the second
-    call, and the eager loss and parameter gradients (model's .grad is left zeroed-then-set)."""
+    call, and the eager loss and parameter gradients (model's .grad is left zeroed-then-set);
+    then model(idx) under no_grad (evaluation, sampling) compiled twice: one more graph, still
+    no graph break, and the eager logits."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
@@ -24,3 +26,10 @@ def assert_compiled_matches_eager(model, idx, rtol=1e-4, atol=1e-6):
     torch.testing.assert_close(loss_c, loss)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, eager[n], rtol=rtol, atol=atol)
+    with torch.no_grad():
+        logits = model(idx)[0]
+        for _ in range(2):
+            logits_c = compiled(idx)[0]
+    assert counters['stats']['unique_graphs'] == 2
+    assert sum(counters['graph_break'].values()) == 0
+    torch.testing.assert_close(logits_c, logits, rtol=rtol, atol=atol)
