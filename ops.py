@@ -293,8 +293,7 @@ def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], que
     Sources i < routed sit on route slots i; their gradients (and their 1/rms's) come back
     through the route, width d + 1; the rest (Block AttnRes's partial sum) get theirs as
     usual. Inside, the same formulas as DepthMixFunction (`mix_forward`)."""
-    with no_autocast(query):
-        z, a, r = mix_forward(sources, inv_rmses, query, key_gain)
+    z, a, r = mix_forward(sources, inv_rmses, query, key_gain)
     return z.to(_promoted_dtype(sources)), a, r, route_after(route)
 
 
@@ -377,8 +376,7 @@ def depth_read_op(q: torch.Tensor, depth_k: list[torch.Tensor], depth_v: list[to
     """The read of DepthReadFunction as one opaque op (the same formulas, `read_forward`):
     (y, lse, a, the route after the read). Slot j's key and value sit on route slot j,
     width 2 hd ([K_j, V_j])."""
-    with no_autocast(q):
-        y, lse, a = read_forward(q, depth_k, depth_v, scale)
+    y, lse, a = read_forward(q, depth_k, depth_v, scale)
     return y.to(q.dtype), lse, a, route_after(route)
 
 
@@ -396,12 +394,11 @@ def depth_read_backward_op(g: torch.Tensor, gy: torch.Tensor, glse: torch.Tensor
     [gK_j, gV_j] into slot j < S of g, the route's gradient (N, B, H_kv, T, 2 hd) fp32, in
     place; returns gq."""
     hd = q.size(-1)
-    with no_autocast(q):
-        gy, gd, gq = read_backward_terms(gy, glse, q, a, depth_k, depth_v, scale)
-        qa = q.to(a.dtype)
-        for j in range(len(depth_k)):
-            g[j, ..., :hd] += group_sum(gd[j].unsqueeze(-1) * qa)                       # gK_j
-            g[j, ..., hd:] += group_sum(a[j].unsqueeze(-1) * gy)                        # gV_j
+    gy, gd, gq = read_backward_terms(gy, glse, q, a, depth_k, depth_v, scale)
+    for j in range(len(depth_k)):
+        gk, gv = slot_grads(j, q, a, gd, gy)
+        g[j, ..., :hd] += gk
+        g[j, ..., hd:] += gv
     return gq.to(q.dtype)
 
 
@@ -628,8 +625,9 @@ class DepthReadFunction(torch.autograd.Function):
         S = len(slots) // 2
         K, V = slots[:S], slots[S:]
         gy, gd, gq = read_backward_terms(gy, glse, q, a, K, V, ctx.scale)
-        gK = [group_sum(gd[j].unsqueeze(-1) * q).to(Kj.dtype) for j, Kj in enumerate(K)]
-        gV = [group_sum(a[j].unsqueeze(-1) * gy).to(Vj.dtype) if gy is not None else None for j, Vj in enumerate(V)]
+        grads = [slot_grads(j, q, a, gd, gy) for j in range(S)]
+        gK = [gk.to(Kj.dtype) for (gk, _), Kj in zip(grads, K)]
+        gV = [gv.to(Vj.dtype) if gv is not None else None for (_, gv), Vj in zip(grads, V)]
         return (gq.to(q.dtype), None, *gK, *gV)
 
 
@@ -682,6 +680,14 @@ def read_backward_terms(gy, glse, q, a, K, V, scale):
 def group_sum(t):
     """t (B, H_kv, G, T, hd) summed over the G query heads of each key/value head."""
     return t.squeeze(2) if t.size(2) == 1 else t.sum(2)
+
+
+def slot_grads(j, q, a, gd, gy):
+    """Depth slot j's key and value gradients (B, H_kv, T, hd), in a's dtype:
+    gK_j = sum_G gd_j q and gV_j = sum_G a_j gy (None without gy)."""
+    with no_autocast(q):
+        gk = group_sum(gd[j].unsqueeze(-1) * q.to(a.dtype))
+        return gk, (group_sum(a[j].unsqueeze(-1) * gy) if gy is not None else None)
 
 
 # the fused CPU attention kernel that also returns the log-sum-exp of each query's scores
