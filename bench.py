@@ -818,6 +818,9 @@ def main(argv=None):
         o = types.SimpleNamespace(**c)
         if o.suite not in ('bench', 'compile', 'gpu'):
             raise ValueError(f"suite={o.suite!r}: use 'bench', 'compile' or 'gpu'")
+        for key in ('gpu_steps', 'compile_steps'):
+            if getattr(o, key) < 1:
+                raise ValueError(f"{key}={getattr(o, key)}: time at least one step")
         if o.suite == 'compile':
             for v in o.compile_layers.split(','):
                 if not v.strip().isdigit() or int(v) < 1:

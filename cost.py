@@ -833,14 +833,22 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=N
     to count the compiled depth reads' workspace; None = the config's `compile`, and on
     when it leaves that to train.py (which compiles on CUDA, where this is for). Returns the dict."""
     from dataclasses import fields
-    if not os.path.exists(path):
+    if budget_gib is not None and budget_gib <= 0:  # before the probe, not after it
+        raise ValueError(f"--budget_gib={budget_gib:g}: give the device's memory in GiB, > 0")
+    if not os.path.isfile(path):
         raise ValueError(f"config file {path} not found")
     ns = dict(batch_size=8, block_size=1024, gradient_accumulation_steps=8, vocab_size=None, compile=None)
-    exec(compile(open(path).read(), path, 'exec'), {}, ns)
+    try:
+        exec(compile(open(path).read(), path, 'exec'), {}, ns)
+    except Exception as e:  # a config file is Python: a mistake in it is the user's, one line
+        raise ValueError(f"config file {path} failed: {type(e).__name__}: {e}") from None
     names = {f.name for f in fields(GPTConfig)}
     kw = {k: v for k, v in ns.items() if k in names and v is not None}
     kw.setdefault('vocab_size', 50280)
-    cfg = GPTConfig(**kw)
+    try:
+        cfg = GPTConfig(**kw)
+    except TypeError as e:  # e.g. n_layer = "a": GPTConfig's checks compare numbers
+        raise ValueError(f"config file {path}: a model setting has the wrong type ({e})") from None
     B, T = ns['batch_size'], ns['block_size']
     print(f"{path}: {cfg.residual} L={cfg.n_layer} d={cfg.n_embd}, micro-batch {B} x {T} tokens, "
           f"{param_count(cfg):,} parameters; activations probed on {device} ({dtype})")
@@ -849,8 +857,6 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=N
     mem = train_memory(cfg, B, T, device, dtype, model=model, compiled=compiled)
     print(format_memory(mem))
     if budget_gib is not None:
-        if budget_gib <= 0:
-            raise ValueError(f"--budget_gib={budget_gib:g}: give the device's memory in GiB, > 0")
         fixed = mem['params'] + mem['grads'] + mem['adamw']
         b, acc = auto_micro_batch(B * ns['gradient_accumulation_steps'], lambda b: fixed + b * mem['per_sequence'],
                                   AUTO_BATCH_FILL * budget_gib * 2**30)

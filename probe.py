@@ -87,7 +87,7 @@ def load_model(ckpt_path, device='cpu'):
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} not found; train one with `python train.py CONFIG` "
-                                f"or pass --ckpt=PATH to an existing ckpt.pt")
+                                f"or give the path of an existing ckpt.pt")
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # torch raises RuntimeError / EOFError / UnpicklingError for damaged files

@@ -391,3 +391,26 @@ def test_plot_has_no_empty_panel_and_shows_the_timing_spread(tmp_path, monkeypat
     segs = bars.get_segments()
     assert [tuple(seg[:, 1]) for seg in segs] == [(5.0, 20.0), (5.0, 20.0)]
     assert '3 timed passes' in hours.get_title() and 'noisy' in hours.get_title()
+
+
+@pytest.mark.parametrize('bad', ['not_python', 'directory', 'wrong_type'])
+def test_memory_of_a_bad_config_is_one_error_line(bad, tmp_path, capsys):
+    """cost.py --memory with a file that is not Python, a directory, or a config whose model
+    setting has the wrong type: exit status 1 and one 'error:' line, no traceback."""
+    import cost
+    path = tmp_path / 'cfg.py'
+    if bad == 'not_python':
+        path.write_text('# DepthBench\nthis is prose, not a config\n')
+    elif bad == 'directory':
+        path = tmp_path
+    else:
+        path.write_text('n_layer = "a"\n')
+    assert cost.main([f'--memory={path}']) == 1
+    err = capsys.readouterr().err
+    assert err.startswith('error: ') and err.count('\n') == 1, err
+
+
+def test_memory_refuses_a_bad_budget_before_probing(tmp_path, capsys):
+    import cost
+    assert cost.main(['--memory=config/does_not_matter.py', '--budget_gib=-1']) == 1
+    assert 'budget_gib=-1' in capsys.readouterr().err

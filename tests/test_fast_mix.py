@@ -272,6 +272,7 @@ def test_bench_times_at_least_the_steps_asked_for():
 @pytest.mark.parametrize('arg, msg', [('--schemes=nope', 'unknown scheme'),
                                       ('--rounds=0', 'rounds=0 must be >= 1'),
                                       ('--steps=-1', 'steps=-1 must be >= 0'),
+                                      ('--suite=gpu --gpu_steps=0', 'gpu_steps=0: time at least one step'),
                                       ('--threads=-2', 'threads=-2 must be >= 0'),
                                       ('--n_head=3', 'divisible'),
                                       ('--schemes=hc --hc_streams=0', 'hc_streams must be >= 1'),
