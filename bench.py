@@ -95,6 +95,7 @@ tiny = False  # --suite=gpu: toy shapes instead of the 400M ones (the CPU test o
 gpu_steps = 10  # --suite=gpu: timed training steps per measurement after the first
 compile_steps = 5  # --suite=compile: timed compiled training steps after the first (compiling) one
 unroll_depth_reads = False  # --suite=compile: trace the AttnRes/MoDA reads' loops (ops.UNROLL_DEPTH_READS: compile O(L^2))
+fused_cpu_reads = True  # compiled AttnRes reads on CPU run the fused loops of depth_kernels.cpp (ops.FUSED_CPU_READS); False: their torch form
 
 # Time budget per scheme against Pre-LN: HC/mHC (m streams) and (Block) AttnRes (depth
 # attention over all earlier sublayers) have flat bounds; every other scheme, MoDA included,
@@ -487,6 +488,8 @@ def environment(dev):
     env = dict(python=platform.python_version(), torch=torch.__version__, platform=platform.platform(),
                processor=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
                torch_threads=torch.get_num_threads(), argv=sys.argv)
+    import ops
+    env['fused_cpu_reads'] = ops.fused_kernels() is not None  # depth_kernels.cpp built and on
     if dev.type == 'cuda':
         env['gpu'] = torch.cuda.get_device_name(dev)
     return env
@@ -505,15 +508,17 @@ def cpu_seconds():
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 
-def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337, unroll=False):
+def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337, unroll=False, fused=True):
     """Compiles one training step (forward + backward + AdamW) of GPT(**cfg_kw) with
     torch.compile and times it. Run in a fresh process with a fresh inductor cache
     (`compile_suite` does) for a cold-cache number. Returns a dict: compile_s (wall seconds
     of the first step), compile_cpu_s (CPU seconds of it, compiler children included),
     step_ms (median of `steps` later steps), graphs, graph_breaks, recompiles (graphs
-    compiled after the first step). unroll: ops.UNROLL_DEPTH_READS for this process."""
+    compiled after the first step). unroll, fused: ops.UNROLL_DEPTH_READS and
+    ops.FUSED_CPU_READS for this process (the kernels are loaded before the clock starts)."""
     import ops
-    ops.UNROLL_DEPTH_READS = unroll
+    ops.UNROLL_DEPTH_READS, ops.FUSED_CPU_READS = unroll, fused
+    ops.fused_kernels()
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype_name]
     ctx = nullcontext() if dtype_name == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
     torch.manual_seed(seed_)
@@ -548,15 +553,20 @@ def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337, unroll=False)
     return res
 
 
-def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print, unroll=False):
+def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print, unroll=False,
+                  fused=True):
     """`compile_one` for every scheme at every depth, each in a fresh Python process with a
     fresh, empty inductor cache (TORCHINDUCTOR_CACHE_DIR) and compiling in-process
     (TORCHINDUCTOR_COMPILE_THREADS=1, so compile_cpu_s counts the compiler). Depth-major
     order (every scheme at L = 4, then at 8, ...), so a run cut short still has whole rows.
-    unroll: compile_one's (the AttnRes/MoDA reads traced as loops, not opaque ops).
+    unroll, fused: compile_one's. The fused kernels are built here first, so that no timed
+    process builds them.
     Returns rows {scheme, n_layer, ...compile_one's dict, cpu_vs_preln, step_vs_preln}."""
     import subprocess
     import tempfile
+    import ops
+    ops.FUSED_CPU_READS = fused
+    ops.fused_kernels()
     rows = []
     for L in layers:
         ref = None
@@ -564,7 +574,7 @@ def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threa
             kw = {**cfg_kw, 'n_layer': L, 'residual': name}
             code = (f"import json, torch, bench; torch.set_num_threads({threads_ or 1}); "
                     f"print('RESULT', json.dumps(bench.compile_one({kw!r}, {batch}, {dtype_name!r}, "
-                    f"torch.device({str(dev)!r}), {steps}, unroll={unroll!r})))")
+                    f"torch.device({str(dev)!r}), {steps}, unroll={unroll!r}, fused={fused!r})))")
             with tempfile.TemporaryDirectory(prefix='inductor_cold_') as cache:
                 env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1',
                        'OMP_NUM_THREADS': str(threads_ or 1)}
@@ -856,6 +866,8 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if o.threads:
         torch.set_num_threads(o.threads)
+    import ops
+    ops.FUSED_CPU_READS = o.fused_cpu_reads
     if o.suite == 'compile':
         layers = [int(v) for v in o.compile_layers.split(',') if v.strip()]
         cnames = [s.strip() for s in o.compile_schemes.split(',') if s.strip()]
@@ -865,7 +877,7 @@ def main(argv=None):
               + (", depth reads unrolled" if o.unroll_depth_reads else ""))
         ckw = {k: v for k, v in cfg_kw.items() if k != 'batch_size'}
         rows = compile_suite(cnames, layers, ckw, o.batch_size, dt, dev, o.compile_steps, o.threads,
-                             unroll=o.unroll_depth_reads)
+                             unroll=o.unroll_depth_reads, fused=o.fused_cpu_reads)
         print(format_compile_table(rows))
         if o.out:
             write_json(o.out, dict(suite='compile', config=c, dtype=dt, environment=environment(dev), rows=rows,

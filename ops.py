@@ -10,7 +10,8 @@ and a fast form with a hand-written backward (a torch.autograd.Function), writte
 that no (n, B, T, d) stack of sources or slots is kept for the backward, and so that
 torch.compile traces it into one graph. The depth reads whose sources accumulate with
 depth (AttnRes, Block AttnRes, MoDA) are opaque ops under torch.compile instead, so that
-the compiled graph grows linearly in L ("the depth reads as opaque ops" below). Why each form
+the compiled graph grows linearly in L ("the depth reads as opaque ops" below); on the CPU in
+fp32 the AttnRes ops run the fused loops of depth_kernels.cpp (`fused_kernels`). Why each form
 is what it is, and what it measured against the alternatives, is in its docstring;
 docs/performance.md and docs/gpu.md have the whole-model numbers.
 """
@@ -211,9 +212,9 @@ def depth_mix(sources, inv_rmses, query, key_gain, route=None, routed=None):
 # backward sums every source's gradient over all later reads (O(L^2) more adds), and
 # inductor compiles a kernel for each distinct n: compile time grew as L^2 (docs/gpu.md).
 # Under torch.compile the reads are therefore custom ops (torch.library), one node per
-# read whatever n, that run the same formulas as the Functions eagerly inside (one in-place
-# add per source, no stacks), and the sources' gradients travel along a *route* instead of
-# one autograd edge per (read, source) pair:
+# read whatever n, that run the same formulas as the Functions eagerly inside (for AttnRes on
+# the CPU in fp32, the fused loops of depth_kernels.cpp), and the sources' gradients travel
+# along a *route* instead of one autograd edge per (read, source) pair:
 #   - a route stands for N slots (slot i = source i); its value is never read (it is a
 #     zero-stride zero tensor, no memory), only its gradient (N, B, T, width) is used;
 #   - a read takes the route that covers its sources and returns a new one, which the
@@ -228,6 +229,42 @@ def depth_mix(sources, inv_rmses, query, key_gain, route=None, routed=None):
 # Functions. UNROLL_DEPTH_READS = True restores the traced loops.
 
 UNROLL_DEPTH_READS = False  # True: torch.compile traces the reads' loops (inductor fuses them; compile time O(L^2))
+FUSED_CPU_READS = True  # False: the compiled AttnRes reads on CPU run their torch form, not depth_kernels.cpp
+
+_kernels = {}  # the built extension (or None: it did not build), built once per process
+
+
+def fused_kernels():
+    """The fused CPU loops of the AttnRes read (depth_kernels.cpp, forward and backward in
+    fp32), built on first use with torch.utils.cpp_extension (about a minute, then cached
+    under ~/.cache/torch_extensions), or None when FUSED_CPU_READS is off or the build
+    failed (one warning; the reads then run their torch form, same results)."""
+    if not FUSED_CPU_READS:
+        return None
+    if 'ext' not in _kernels:
+        import os, warnings
+        from torch.utils import cpp_extension
+        cap = torch.backends.cpu.get_cpu_capability()  # the build is specific to the CPU's vector unit
+        simd = ['-mavx2', '-mfma'] if cap in ('AVX2', 'AVX512') else []
+        try:
+            _kernels['ext'] = cpp_extension.load(
+                name=f'depthbench_kernels_{cap.lower()}',
+                sources=[os.path.join(os.path.dirname(os.path.abspath(__file__)), 'depth_kernels.cpp')],
+                extra_cflags=['-O3', '-fopenmp', '-fno-math-errno'] + simd, extra_ldflags=['-fopenmp'])
+        except Exception as e:  # no compiler, no ninja, ...: the torch form is the same math
+            warnings.warn(f"ops: depth_kernels.cpp did not build ({type(e).__name__}: {str(e)[:200]}); "
+                          "the compiled AttnRes reads on CPU use their torch form")
+            _kernels['ext'] = None
+    return _kernels['ext']
+
+
+def fused_read(like):
+    """The fused CPU kernels for a read whose first source is `like`, if it is an fp32 CPU
+    tensor (the kernels' only dtype; bf16 under autocast, fp64 in gradcheck and GPU tensors
+    run the torch form), else None. The kernels check every other tensor themselves and
+    raise RuntimeError, before writing anything, for one they cannot take (not contiguous,
+    another dtype or size): the caller then runs the torch form."""
+    return fused_kernels() if like.device.type == 'cpu' and like.dtype == torch.float32 else None
 
 
 def open_route(like, n_slots, width):
@@ -292,7 +329,15 @@ def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], que
     """The read of DepthMixFunction as one opaque op: (z, a, r, the route after the read).
     Sources i < routed sit on route slots i; their gradients (and their 1/rms's) come back
     through the route, width d + 1; the rest (Block AttnRes's partial sum) get theirs as
-    usual. Inside, the same formulas as DepthMixFunction (`mix_forward`)."""
+    usual. Inside, the same formulas as DepthMixFunction: the fused CPU loop of
+    depth_kernels.cpp for fp32 CPU tensors (`fused_read`), else `mix_forward`."""
+    kernels, shape = fused_read(sources[0]), sources[0].shape
+    if kernels is not None:
+        try:
+            z, a, r = kernels.mix_forward(sources, inv_rmses, query * key_gain)   # (N, d), (n, N), (n, N)
+            return z.view(shape), a.view(-1, *shape[:2]), r.view(-1, *shape[:2]), route_after(route)
+        except RuntimeError:  # a tensor the kernel does not take (see fused_read): the torch form
+            pass
     z, a, r = mix_forward(sources, inv_rmses, query, key_gain)
     return z.to(_promoted_dtype(sources)), a, r, route_after(route)
 
@@ -314,8 +359,16 @@ def depth_mix_backward_op(g: torch.Tensor, gz: torch.Tensor, query: torch.Tensor
     source i's [gv_i, gs_i] into slot i of g, the route's gradient (N, B, T, d + 1) fp32,
     in place for i < routed (only the slots read are touched); returns (gw, gg, and the
     [gv_i, gs_i] of the sources i >= routed stacked, (n - routed, B, T, d + 1) fp32).
-    (A mutating op may not return a list of tensors, hence the stack.)"""
+    (A mutating op may not return a list of tensors, hence the stack.) fp32 CPU tensors run
+    the fused loop of depth_kernels.cpp (`fused_read`), the rest the torch form below."""
     n, d, acc = len(sources), gz.size(-1), r.dtype
+    kernels = fused_read(sources[0])
+    if kernels is not None:
+        try:
+            gu, rest = kernels.mix_backward(g, gz, query * key_gain, r, sources, inv_rmses, routed)
+            return gu * key_gain, gu * query, rest.view(-1, *g.shape[1:])
+        except RuntimeError:  # raised before g is touched: the torch form below
+            pass
     with no_autocast(query):
         gz = gz.to(acc)
         u, a, ge, c, gu = mix_backward_terms(gz, None, query, key_gain, r, sources, inv_rmses)
@@ -358,7 +411,7 @@ def _depth_mix_setup(ctx, inputs, output):
 def _depth_mix_op_backward(ctx, gz, ga, gr, groute):
     query, key_gain, r, *tensors = ctx.saved_tensors
     n, k = ctx.n, ctx.routed
-    gz = torch.zeros_like(tensors[0]) if gz is None else gz
+    gz = torch.zeros_like(tensors[0]) if gz is None else gz.contiguous()  # the fused kernel takes contiguous rows
     groute = route_grad(groute, ctx)  # the later reads' sum: this read adds its own to it, in place
     gw, gg, rest = depth_mix_backward_op(groute, gz, query, key_gain, r, tensors[:n], tensors[n:], k)
     d = gz.size(-1)
