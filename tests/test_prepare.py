@@ -359,13 +359,17 @@ def test_token_ids_past_uint16_are_an_error_not_a_wrap(tmp_path, monkeypatch):
 @pytest.mark.parametrize('sig', ['SIGTERM', 'SIGINT'])
 def test_killed_mid_run_removes_its_temp_files(tmp_path, sig):
     """The process signals itself while tokenizing (after the temp files exist): it exits with
-    one line, and out_dir holds what it held before (an old train.bin), no temporaries."""
+    one line, and out_dir holds what it held before (an old train.bin), no temporaries.
+    The child restores Python's Ctrl-C handler first: a shell starts background jobs with
+    SIGINT ignored, and Python then installs none (the test would pass or fail with how
+    pytest was launched)."""
     src = write_jsonl(tmp_path / 'a.jsonl', [{'text': t} for t in DOCS])
     out = tmp_path / 'out'
     out.mkdir()
     (out / 'train.bin').write_bytes(b'old')
     code = f"""
 import os, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {str(ROOT)!r})
 import tokenizer
 _get = tokenizer.get_tokenizer
