@@ -489,7 +489,9 @@ def environment(dev):
                processor=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
                torch_threads=torch.get_num_threads(), argv=sys.argv)
     import ops
-    env['fused_cpu_reads'] = ops.fused_kernels() is not None  # depth_kernels.cpp built and on
+    # whether this run's compiled CPU reads had depth_kernels.cpp (loaded at their first call;
+    # asking fused_kernels() here would build it on a GPU machine that never used it)
+    env['fused_cpu_reads'] = ops.FUSED_CPU_READS and ops._kernels.get('ext') is not None
     if dev.type == 'cuda':
         env['gpu'] = torch.cuda.get_device_name(dev)
     return env
