@@ -19,18 +19,34 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace {
 
-std::vector<const float*> pointers(const std::vector<torch::Tensor>& ts, int64_t numel) {
-  std::vector<const float*> p;
-  for (const auto& t : ts) {
-    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == numel && t.device().is_cpu(),
-                "depth_kernels: every tensor must be a contiguous fp32 CPU tensor of the first one's size");
-    p.push_back(t.data_ptr<float>());
+// The data pointers of n sources of one shape (..., d) and their n 1/rms (N values each),
+// after checking them: raises (RuntimeError) before any kernel writes anything.
+std::pair<std::vector<const float*>, std::vector<const float*>> inputs(
+    const std::vector<torch::Tensor>& sources, const std::vector<torch::Tensor>& inv_rmses, int64_t d) {
+  TORCH_CHECK(!sources.empty() && sources.size() == inv_rmses.size(),
+              "depth_kernels: need n >= 1 sources and as many 1/rms tensors, got ", sources.size(), " and ",
+              inv_rmses.size());
+  TORCH_CHECK(d > 0 && sources[0].dim() >= 1 && sources[0].size(-1) == d,
+              "depth_kernels: the sources' last dim must be u's length d > 0");
+  const int64_t N = sources[0].numel() / d;
+  std::vector<const float*> V, S;
+  for (const auto& t : sources) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu() &&
+                t.sizes() == sources[0].sizes(), "depth_kernels: every source must be a contiguous fp32 CPU tensor "
+                "of the first one's shape");
+    V.push_back(t.data_ptr<float>());
   }
-  return p;
+  for (const auto& t : inv_rmses) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu() && t.numel() == N,
+                "depth_kernels: every 1/rms must be a contiguous fp32 CPU tensor of N = ", N, " values");
+    S.push_back(t.data_ptr<float>());
+  }
+  return {V, S};
 }
 
 void check_f32(const torch::Tensor& t, int64_t numel, const char* name) {
@@ -61,9 +77,9 @@ int64_t tile_tokens(int64_t d) { return std::max<int64_t>(1, 16384 / d); }
 // Returns (z (N, d), a (n, N), r (n, N)), all fp32.
 std::vector<torch::Tensor> mix_forward(const std::vector<torch::Tensor>& sources,
                                        const std::vector<torch::Tensor>& inv_rmses, const torch::Tensor& u) {
-  const int64_t n = sources.size(), d = u.numel(), N = sources[0].numel() / d;
-  auto V = pointers(sources, N * d);
-  auto S = pointers(inv_rmses, N);
+  const int64_t n = sources.size(), d = u.numel();
+  auto [V, S] = inputs(sources, inv_rmses, d);
+  const int64_t N = sources[0].numel() / d;
   check_f32(u, d, "u");
   const float* up = u.data_ptr<float>();
   auto z = torch::empty({N, d}, u.options());
@@ -127,9 +143,9 @@ std::vector<torch::Tensor> mix_forward(const std::vector<torch::Tensor>& sources
 std::vector<torch::Tensor> mix_backward(torch::Tensor g, const torch::Tensor& gz, const torch::Tensor& u,
                                         const torch::Tensor& r, const std::vector<torch::Tensor>& sources,
                                         const std::vector<torch::Tensor>& inv_rmses, int64_t routed) {
-  const int64_t n = sources.size(), d = u.numel(), N = sources[0].numel() / d, w = d + 1;
-  auto V = pointers(sources, N * d);
-  auto S = pointers(inv_rmses, N);
+  const int64_t n = sources.size(), d = u.numel(), w = d + 1;
+  auto [V, S] = inputs(sources, inv_rmses, d);
+  const int64_t N = sources[0].numel() / d;
   TORCH_CHECK(g.scalar_type() == torch::kFloat && g.is_contiguous() && g.device().is_cpu() &&
               g.numel() % (N * w) == 0 && g.numel() / (N * w) >= routed && 0 <= routed && routed <= n,
               "depth_kernels: g must be a contiguous fp32 CPU tensor (slots >= routed, N, d + 1)");

@@ -267,6 +267,16 @@ def fused_read(like):
     return fused_kernels() if like.device.type == 'cpu' and like.dtype == torch.float32 else None
 
 
+def check_read_lists(sources, inv_rmses, routed):
+    """Raises ValueError unless a depth_mix op can take these lists: n >= 1 sources, as many
+    1/rms tensors, 0 <= routed <= n. (O(1): `depth_mix` has checked the shapes; the kernels
+    check them again, and the torch form's stack refuses unequal ones.)"""
+    n = len(sources)
+    if n == 0 or len(inv_rmses) != n or not 0 <= routed <= n:
+        raise ValueError(f"depth_mix op: need n >= 1 sources, as many 1/rms tensors and 0 <= routed <= n; got "
+                         f"{n} sources, {len(inv_rmses)} 1/rms tensors, routed={routed}")
+
+
 def open_route(like, n_slots, width):
     """A route for `n_slots` slots of shape like.shape[:-1] + (width,) in fp32 (fp64 for
     fp64), or None outside torch.compile (or with UNROLL_DEPTH_READS), where reads take
@@ -331,6 +341,7 @@ def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], que
     through the route, width d + 1; the rest (Block AttnRes's partial sum) get theirs as
     usual. Inside, the same formulas as DepthMixFunction: the fused CPU loop of
     depth_kernels.cpp for fp32 CPU tensors (`fused_read`), else `mix_forward`."""
+    check_read_lists(sources, inv_rmses, routed)
     kernels, shape = fused_read(sources[0]), sources[0].shape
     if kernels is not None:
         try:
@@ -361,6 +372,7 @@ def depth_mix_backward_op(g: torch.Tensor, gz: torch.Tensor, query: torch.Tensor
     [gv_i, gs_i] of the sources i >= routed stacked, (n - routed, B, T, d + 1) fp32).
     (A mutating op may not return a list of tensors, hence the stack.) fp32 CPU tensors run
     the fused loop of depth_kernels.cpp (`fused_read`), the rest the torch form below."""
+    check_read_lists(sources, inv_rmses, routed)
     n, d, acc = len(sources), gz.size(-1), r.dtype
     kernels = fused_read(sources[0])
     if kernels is not None:

@@ -162,3 +162,37 @@ def test_a_failed_build_warns_once_and_the_reads_run_the_torch_form(monkeypatch)
         sources, inv, w, g = inputs(3, 2, 4, 8, seed=8)
         z, _, _, _ = ops.depth_mix_op(sources, inv, w, g, torch.zeros(()).expand(3, 2, 4, 9), 3)
     torch.testing.assert_close(z, ops.depth_mix_reference(sources, inv, w, g)[0], rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize('case', ['empty', 'fewer 1/rms', 'more 1/rms', 'same numel, other shape', 'd = 0'])
+def test_bad_lists_raise_not_crash(case):
+    """Each raises RuntimeError before the kernel reads anything (these crashed the process
+    when only element counts were checked)."""
+    sources, inv, w, g = inputs(3, 2, 8, 16, seed=10)
+    u = w * g
+    if case == 'empty':
+        sources, inv = [], []
+    elif case == 'fewer 1/rms':
+        inv = inv[:1]
+    elif case == 'more 1/rms':
+        sources = sources[:1]
+    elif case == 'same numel, other shape':
+        sources[2] = sources[2].reshape(8, 2, 16).contiguous()
+    else:
+        sources, inv, u = [torch.zeros(2, 8, 0)] * 3, inv, torch.zeros(0)
+    with pytest.raises(RuntimeError, match='depth_kernels'):
+        ops.fused_kernels().mix_forward(sources, inv, u)
+
+
+@pytest.mark.parametrize('n_inv, routed', [(2, 3), (3, 4), (3, -1)])
+def test_the_ops_refuse_bad_lists_and_routed(n_inv, routed):
+    """The ops check list lengths and routed themselves (O(1)): the torch form would
+    broadcast a short 1/rms list or slice with a bad routed and answer wrongly."""
+    sources, inv, w, g = inputs(3, 2, 5, 8, seed=11)
+    inv = inv[:n_inv]
+    with pytest.raises(ValueError, match='routed'):
+        ops.depth_mix_op(sources, inv, w, g, torch.zeros(()).expand(3, 2, 5, 9), routed)
+    with pytest.raises(ValueError, match='routed'):
+        ops.depth_mix_backward_op(torch.zeros(3, 2, 5, 9), torch.zeros(2, 5, 8), w, g, torch.zeros(3, 2, 5),
+                                  sources, inv, routed)
