@@ -760,9 +760,9 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
                   (tests/test_memory.py checks it for every scheme within 10%);
       logits_grad 4 B T V (the fp32 gradient of the logits, alive with all activations at
                   the start of the backward);
-      read_workspace  with compiled=True, for schemes whose depth reads return their
-                  gradients along a route under torch.compile (AttnRes, Block AttnRes, MoDA;
-                  ops.py): the route's gradient, B T x `route_bytes_per_token()`: one
+      read_workspace  for schemes whose depth reads return their gradients along a route
+                  (AttnRes and Block AttnRes always, MoDA with compiled=True; ops.py):
+                  the route's gradient, B T x `route_bytes_per_token(compiled)`: one
                   buffer through the whole backward, which every read adds into in place
                   (a read's own temporaries: its stack of at most ops.STACK_BYTES, or a few
                   (B, T, d) tensors). 0 otherwise;
@@ -780,7 +780,7 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
     ctx = None if ptdtype == torch.float32 else torch.autocast(device_type=dev.type, dtype=ptdtype)
     idx = torch.zeros(1, T, dtype=torch.long, device=dev)
     probe = saved_activation_bytes(model, idx, idx, ctx)
-    route = model.residual.route_bytes_per_token() if compiled else 0
+    route = model.residual.route_bytes_per_token(compiled)
     if own:
         del model
     out = dict(params=4 * n, grads=4 * n, adamw=8 * n, activations=probe * batch * seq_len / T,

@@ -64,7 +64,8 @@ class DepthMixFunction(torch.autograd.Function):
     def forward(ctx, query, key_gain, *tensors):
         n = len(tensors) // 2
         sources, inv_rmses = tensors[:n], tensors[n:]
-        z, a, r = mix_forward(sources, inv_rmses, query, key_gain)
+        out = fused_mix_forward(sources, inv_rmses, query, key_gain)  # fp32 CPU: depth_kernels.cpp
+        z, a, r = out if out is not None else mix_forward(sources, inv_rmses, query, key_gain)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(query, key_gain, r, *sources, *inv_rmses)
         return z.to(_promoted_dtype(sources)), a
@@ -78,6 +79,13 @@ class DepthMixFunction(torch.autograd.Function):
         need_w, need_g = ctx.needs_input_grad[:2]
         need_v, need_s = ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
         gz = torch.zeros(sources[0].shape, dtype=r.dtype, device=r.device) if gz is None else gz.to(r.dtype)
+        out = fused_mix_backward(gz, ga, query, key_gain, r, sources, inv_rmses)  # fp32 CPU: depth_kernels.cpp
+        if out is not None:
+            gw, gg, rest = out  # rest (n, B, T, d + 1): [gv_i, gs_i] per source
+            d = gz.size(-1)
+            return (gw if need_w else None, gg if need_g else None,
+                    *(rest[i, ..., :d] if need_v[i] else None for i in range(n)),
+                    *(rest[i, ..., d:] if need_s[i] else None for i in range(n)))
         u, a, ge, c, gu = mix_backward_terms(gz, ga, query, key_gain, r, sources, inv_rmses, need_w or need_g)
         gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
               for i, v in enumerate(sources)]                                   # n x (B, T, d)
@@ -86,6 +94,35 @@ class DepthMixFunction(torch.autograd.Function):
         gw = (gu * key_gain.to(r.dtype)).to(query.dtype) if need_w else None
         gg = (gu * query.to(r.dtype)).to(key_gain.dtype) if need_g else None
         return (gw, gg, *gv, *gs)
+
+
+def fused_mix_forward(sources, inv_rmses, query, key_gain):
+    """DepthMixFunction's forward in the fused loop of depth_kernels.cpp: (z (B, T, d),
+    a, r (n, B, T)) fp32, or None when the read is not all fp32 CPU tensors the kernel
+    takes (`fused_read`; the caller then runs `mix_forward`, the same formulas)."""
+    kernels, shape = fused_read(sources[0]), sources[0].shape
+    if kernels is None:
+        return None
+    try:
+        z, a, r = kernels.mix_forward(list(sources), list(inv_rmses), query * key_gain)  # (N, d), (n, N), (n, N)
+    except RuntimeError:  # a tensor the kernel does not take (see fused_read)
+        return None
+    return z.view(shape), a.view(-1, *shape[:2]), r.view(-1, *shape[:2])
+
+
+def fused_mix_backward(gz, ga, query, key_gain, r, sources, inv_rmses):
+    """DepthMixFunction's backward in the fused loop of depth_kernels.cpp: (gw, gg (d,),
+    rest (n, B, T, d + 1), whose slot i is [gv_i, gs_i]) fp32, or None when a's gradient
+    ga is not None (the kernel takes none) or a tensor is not one it takes."""
+    kernels = fused_read(sources[0]) if ga is None else None
+    if kernels is None:
+        return None
+    none = gz.new_empty((0,) + gz.shape[:-1] + (gz.size(-1) + 1,))  # no route slots: every source's goes to rest
+    try:
+        gu, rest = kernels.mix_backward(none, gz.contiguous(), query * key_gain, r, list(sources), list(inv_rmses), 0)
+    except RuntimeError:
+        return None
+    return gu * key_gain, gu * query, rest.view(len(sources), *none.shape[1:])
 
 
 STACK_BYTES = 4 << 20  # a read stacks its sources for batched ops when the stack takes at most this
@@ -229,7 +266,7 @@ def depth_mix(sources, inv_rmses, query, key_gain, route=None, routed=None):
 # Functions. UNROLL_DEPTH_READS = True restores the traced loops.
 
 UNROLL_DEPTH_READS = False  # True: torch.compile traces the reads' loops (inductor fuses them; compile time O(L^2))
-FUSED_CPU_READS = True  # False: the compiled AttnRes reads on CPU run their torch form, not depth_kernels.cpp
+FUSED_CPU_READS = True  # False: the AttnRes reads on CPU (eager and compiled) run their torch form, not depth_kernels.cpp
 
 _kernels = {}  # the built extension (or None: it did not build), built once per process
 
@@ -242,10 +279,15 @@ def fused_kernels():
     if not FUSED_CPU_READS:
         return None
     if 'ext' not in _kernels:
-        import os, warnings
+        import os, sys, threading, warnings
         from torch.utils import cpp_extension
         cap = torch.backends.cpu.get_cpu_capability()  # the build is specific to the CPU's vector unit
         simd = ['-mavx2', '-mfma'] if cap in ('AVX2', 'AVX512') else []
+        # a cached build loads in a second; a first build takes up to a minute: say so, once
+        notice = threading.Timer(3.0, lambda: print(
+            "ops: building depth_kernels.cpp (the fused CPU AttnRes reads), once per machine; "
+            "about a minute", file=sys.stderr, flush=True))
+        notice.start()
         try:
             _kernels['ext'] = cpp_extension.load(
                 name=f'depthbench_kernels_{cap.lower()}',
@@ -253,8 +295,10 @@ def fused_kernels():
                 extra_cflags=['-O3', '-fopenmp', '-fno-math-errno'] + simd, extra_ldflags=['-fopenmp'])
         except Exception as e:  # no compiler, no ninja, ...: the torch form is the same math
             warnings.warn(f"ops: depth_kernels.cpp did not build ({type(e).__name__}: {str(e)[:200]}); "
-                          "the compiled AttnRes reads on CPU use their torch form")
+                          "the AttnRes reads on CPU use their torch form (same results, slower)")
             _kernels['ext'] = None
+        finally:
+            notice.cancel()
     return _kernels['ext']
 
 
@@ -263,8 +307,12 @@ def fused_read(like):
     tensor (the kernels' only dtype; bf16 under autocast, fp64 in gradcheck and GPU tensors
     run the torch form), else None. The kernels check every other tensor themselves and
     raise RuntimeError, before writing anything, for one they cannot take (not contiguous,
-    another dtype or size): the caller then runs the torch form."""
-    return fused_kernels() if like.device.type == 'cpu' and like.dtype == torch.float32 else None
+    another dtype or size): the caller then runs the torch form. None while torch.compile
+    traces (DepthMixFunction under UNROLL_DEPTH_READS: inductor fuses its torch form; the
+    opaque ops run outside the trace and take the kernels)."""
+    if torch.compiler.is_compiling() or like.device.type != 'cpu' or like.dtype != torch.float32:
+        return None
+    return fused_kernels()
 
 
 def check_read_lists(sources, inv_rmses, routed):
@@ -277,11 +325,14 @@ def check_read_lists(sources, inv_rmses, routed):
                          f"{n} sources, {len(inv_rmses)} 1/rms tensors, routed={routed}")
 
 
-def open_route(like, n_slots, width):
+def open_route(like, n_slots, width, eager=False):
     """A route for `n_slots` slots of shape like.shape[:-1] + (width,) in fp32 (fp64 for
-    fp64), or None outside torch.compile (or with UNROLL_DEPTH_READS), where reads take
-    their sources' gradients through autograd directly."""
-    if not torch.compiler.is_compiling() or UNROLL_DEPTH_READS:
+    fp64), or None where the reads take their sources' gradients through autograd
+    directly: with UNROLL_DEPTH_READS, and outside torch.compile unless `eager` (then
+    while grad is enabled: evaluation has no gradient to route). The AttnRes schemes
+    pass eager=True: one buffer added into in place beats autograd's sum of a gradient per
+    (read, source) pair in eager mode too (docs/performance.md); MoDA's reads do not gain."""
+    if UNROLL_DEPTH_READS or not (torch.compiler.is_compiling() or (eager and torch.is_grad_enabled())):
         return None
     acc = torch.promote_types(like.dtype, torch.float32)
     return like.new_zeros((), dtype=acc).expand(n_slots, *like.shape[:-1], width)
@@ -342,14 +393,8 @@ def depth_mix_op(sources: list[torch.Tensor], inv_rmses: list[torch.Tensor], que
     usual. Inside, the same formulas as DepthMixFunction: the fused CPU loop of
     depth_kernels.cpp for fp32 CPU tensors (`fused_read`), else `mix_forward`."""
     check_read_lists(sources, inv_rmses, routed)
-    kernels, shape = fused_read(sources[0]), sources[0].shape
-    if kernels is not None:
-        try:
-            z, a, r = kernels.mix_forward(sources, inv_rmses, query * key_gain)   # (N, d), (n, N), (n, N)
-            return z.view(shape), a.view(-1, *shape[:2]), r.view(-1, *shape[:2]), route_after(route)
-        except RuntimeError:  # a tensor the kernel does not take (see fused_read): the torch form
-            pass
-    z, a, r = mix_forward(sources, inv_rmses, query, key_gain)
+    out = fused_mix_forward(sources, inv_rmses, query, key_gain)
+    z, a, r = out if out is not None else mix_forward(sources, inv_rmses, query, key_gain)
     return z.to(_promoted_dtype(sources)), a, r, route_after(route)
 
 

@@ -66,10 +66,11 @@ class Residual(nn.Module):
             if isinstance(m, (RMSNorm, nn.LayerNorm)):
                 m.reset_parameters()
 
-    def route_bytes_per_token(self):
+    def route_bytes_per_token(self, compiled=True):
         """Bytes per token of one gradient of this scheme's route, the way its depth reads
-        return their sources' gradients under torch.compile (ops.open_route); 0 for schemes
-        without one. cost.train_memory counts the backward's workspace from it."""
+        return their sources' gradients (ops.open_route) in a training step under
+        torch.compile (compiled=True) or eagerly; 0 for schemes without one there.
+        cost.train_memory counts the backward's workspace from it."""
         return 0
 
     def no_weight_decay(self):
@@ -219,8 +220,9 @@ class AttnRes(Residual):
 
     State: (sources, their 1/rms, mix, route) where mix is the raw depth mix the next block's
     attention reads (probe and lens state z_l, docs/probes.md, depth and lens states) and
-    route is None, or under torch.compile the route of the sources' gradients
-    (ops.open_route: source i on slot i), which makes every read one op of the compiled graph.
+    route is None (no gradient, or ops.UNROLL_DEPTH_READS), else the route of the sources'
+    gradients (ops.open_route: source i on slot i), which makes every read one op of the
+    compiled graph and, eagerly, adds every read's gradients into one buffer in place.
     Skip rule (docs/probes.md): a skipped block adds no sources, and the next read is the
     identity on the newest source. Unlike the study's code, skipping block 0 does not put
     the embedding into the bank twice.
@@ -240,11 +242,11 @@ class AttnRes(Residual):
         """Sources a forward pass can hold: the embedding and the 2L sublayer outputs."""
         return 2 * self.cfg.n_layer + 1
 
-    def route_bytes_per_token(self):
-        return self.route_slots() * (self.cfg.n_embd + 1) * 4  # slots of [v_i, 1/rms_i], fp32
+    def route_bytes_per_token(self, compiled=True):
+        return self.route_slots() * (self.cfg.n_embd + 1) * 4  # slots of [v_i, 1/rms_i], fp32; eager too
 
     def begin(self, x):
-        sources, inv_rmses, route = self.add_source((), (), open_route(x, self.route_slots(), x.size(-1) + 1), x)
+        sources, inv_rmses, route = self.add_source((), (), open_route(x, self.route_slots(), x.size(-1) + 1, eager=True), x)
         return sources, inv_rmses, x, route
 
     def attn_input(self, p, mix, embedding_only):
@@ -697,7 +699,7 @@ class BlockAttnRes(AttnRes):
         return f.to(sources[0].dtype) if partial is None else partial + f
 
     def begin(self, x):
-        sources, inv_rmses, route = self.add_source((), (), open_route(x, self.route_slots(), x.size(-1) + 1), x)
+        sources, inv_rmses, route = self.add_source((), (), open_route(x, self.route_slots(), x.size(-1) + 1, eager=True), x)
         return BlockState(sources, inv_rmses, None, 0, x, True, route)
 
     def block(self, state, b, layer, rope):
@@ -1030,9 +1032,9 @@ class MoDA(Residual):
             if p.depth_kv is not None:  # like every backbone Linear
                 nn.init.trunc_normal_(p.depth_kv.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def route_bytes_per_token(self):
-        cfg = self.cfg  # 2L slots of [K_j, V_j], (H_kv, 2 hd) per token, fp32
-        return 2 * cfg.n_layer * cfg.n_kv_head * 2 * (cfg.n_embd // cfg.n_head) * 4
+    def route_bytes_per_token(self, compiled=True):
+        cfg = self.cfg  # 2L slots of [K_j, V_j], (H_kv, 2 hd) per token, fp32; only under torch.compile
+        return 0 if not compiled else 2 * cfg.n_layer * cfg.n_kv_head * 2 * (cfg.n_embd // cfg.n_head) * 4
 
     def begin(self, x):
         cfg = self.cfg

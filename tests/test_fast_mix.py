@@ -183,10 +183,52 @@ def test_attnres_activation_memory_near_preln(monkeypatch):
     preln, fast = saved_mib('preln'), saved_mib('attnres')
     assert fast > preln            # the sources and their 1/rms do cost something
     assert fast <= 1.2 * preln
-    reference = lambda s, i, q, g, route=None, routed=None: depth_mix_reference(s, i, q, g)  # noqa: E731
+    reference = lambda s, i, q, g, route=None, routed=None: (  # noqa: E731
+        depth_mix_reference(s, i, q, g) + ((route,) if route is not None else ()))
     monkeypatch.setattr(residuals, 'depth_mix', reference)
     stacked = saved_mib('attnres')
     assert stacked > 1.5 * preln
+
+
+@pytest.mark.parametrize('residual,kw', [('attnres', {}), ('blockattnres', {'attnres_blocks': 2})])
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=['fp64', 'fp32'])
+def test_eager_route_gives_autograds_gradients(residual, kw, dtype, monkeypatch):
+    """Eagerly the AttnRes reads add their sources' gradients into one route buffer in
+    place (ops.open_route with eager=True): the same loss and parameter gradients as
+    autograd summing one gradient per (read, source) pair through DepthMixFunction
+    (ops.UNROLL_DEPTH_READS: no route). fp64 runs the torch form, fp32 the fused kernels
+    where they build. Under no_grad no route is opened."""
+    import ops
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=3, n_embd=32, n_head=4, block_size=16, vocab_size=31, residual=residual, **kw)
+    model = GPT(cfg).to(dtype)
+    with torch.no_grad():
+        for n, p in model.residual.named_parameters():
+            if 'query' in n:
+                p.normal_(0, 0.5)
+    idx = torch.randint(0, 31, (2, 16))
+    writes, apply = [], ops.RouteWrite.apply
+    monkeypatch.setattr(ops.RouteWrite, 'apply', lambda *a: writes.append(a[1]) or apply(*a))
+
+    def run(unroll):
+        with monkeypatch.context() as m:
+            m.setattr(ops, 'UNROLL_DEPTH_READS', unroll)
+            model.zero_grad(set_to_none=True)
+            loss = model(idx, idx)[1]
+            loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+    routed = run(False)
+    assert writes == list(range(model.residual.route_slots()))  # every source went on its slot
+    plain = run(True)
+    assert len(writes) == model.residual.route_slots()  # none without a route
+    # the 1/rms are fp32 even in an fp64 model (residuals.inv_rms): the route sums their
+    # gradients over the reads in fp64 and rounds once, autograd rounds each read's
+    tol = dict(rtol=1e-6, atol=1e-8) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    for got, want in zip(routed, plain):
+        torch.testing.assert_close(got, want, **tol)
+    with torch.no_grad():
+        model(idx, idx)
+    assert len(writes) == model.residual.route_slots()
 
 
 def test_saved_activation_bytes_excludes_parameters():
