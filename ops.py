@@ -262,8 +262,10 @@ def depth_mix(sources, inv_rmses, query, key_gain, route=None, routed=None):
 #     the tensors and passes the buffer on.
 # Autograd then sees one fixed-shape gradient per route and no per-source sums, and the
 # compiled graph grows as O(L); inductor turns the functional form of the in-place adds
-# back into one buffer. The eager path (no route) runs the same formulas through the
-# Functions. UNROLL_DEPTH_READS = True restores the traced loops.
+# back into one buffer. Eager AttnRes training steps take a route too (open_route's
+# `eager`: the in-place adds beat autograd's per-source sums there as well); eager MoDA
+# and evaluation (no route) run the same formulas through the Functions.
+# UNROLL_DEPTH_READS = True restores the traced loops (and no route anywhere).
 
 UNROLL_DEPTH_READS = False  # True: torch.compile traces the reads' loops (inductor fuses them; compile time O(L^2))
 FUSED_CPU_READS = True  # False: the AttnRes reads on CPU (eager and compiled) run their torch form, not depth_kernels.cpp
