@@ -64,7 +64,9 @@ class DepthMixFunction(torch.autograd.Function):
     def forward(ctx, query, key_gain, *tensors):
         n = len(tensors) // 2
         sources, inv_rmses = tensors[:n], tensors[n:]
-        out = fused_mix_forward(sources, inv_rmses, query, key_gain)  # fp32 CPU: depth_kernels.cpp
+        # fp32 CPU: depth_kernels.cpp. (Training steps read through depth_mix_op on a route, whose
+        # backward op runs the fused backward; this Function trains only under UNROLL_DEPTH_READS.)
+        out = fused_mix_forward(sources, inv_rmses, query, key_gain)
         z, a, r = out if out is not None else mix_forward(sources, inv_rmses, query, key_gain)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(query, key_gain, r, *sources, *inv_rmses)
@@ -79,13 +81,6 @@ class DepthMixFunction(torch.autograd.Function):
         need_w, need_g = ctx.needs_input_grad[:2]
         need_v, need_s = ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
         gz = torch.zeros(sources[0].shape, dtype=r.dtype, device=r.device) if gz is None else gz.to(r.dtype)
-        out = fused_mix_backward(gz, ga, query, key_gain, r, sources, inv_rmses)  # fp32 CPU: depth_kernels.cpp
-        if out is not None:
-            gw, gg, rest = out  # rest (n, B, T, d + 1): [gv_i, gs_i] per source
-            d = gz.size(-1)
-            return (gw if need_w else None, gg if need_g else None,
-                    *(rest[i, ..., :d] if need_v[i] else None for i in range(n)),
-                    *(rest[i, ..., d:] if need_s[i] else None for i in range(n)))
         u, a, ge, c, gu = mix_backward_terms(gz, ga, query, key_gain, r, sources, inv_rmses, need_w or need_g)
         gv = [(a[i].unsqueeze(-1) * gz).addcmul_(c[i].unsqueeze(-1), u).to(v.dtype) if need_v[i] else None
               for i, v in enumerate(sources)]                                   # n x (B, T, d)
@@ -108,21 +103,6 @@ def fused_mix_forward(sources, inv_rmses, query, key_gain):
     except RuntimeError:  # a tensor the kernel does not take (see fused_read)
         return None
     return z.view(shape), a.view(-1, *shape[:2]), r.view(-1, *shape[:2])
-
-
-def fused_mix_backward(gz, ga, query, key_gain, r, sources, inv_rmses):
-    """DepthMixFunction's backward in the fused loop of depth_kernels.cpp: (gw, gg (d,),
-    rest (n, B, T, d + 1), whose slot i is [gv_i, gs_i]) fp32, or None when a's gradient
-    ga is not None (the kernel takes none) or a tensor is not one it takes."""
-    kernels = fused_read(sources[0]) if ga is None else None
-    if kernels is None:
-        return None
-    none = gz.new_empty((0,) + gz.shape[:-1] + (gz.size(-1) + 1,))  # no route slots: every source's goes to rest
-    try:
-        gu, rest = kernels.mix_backward(none, gz.contiguous(), query * key_gain, r, list(sources), list(inv_rmses), 0)
-    except RuntimeError:
-        return None
-    return gu * key_gain, gu * query, rest.view(len(sources), *none.shape[1:])
 
 
 STACK_BYTES = 4 << 20  # a read stacks its sources for batched ops when the stack takes at most this

@@ -220,10 +220,10 @@ class CountingKernels:
 
 @needs_kernels
 def test_eager_read_runs_the_kernels(monkeypatch):
-    """The eager DepthMixFunction (no route) runs the kernels for fp32 CPU tensors, forward
-    and backward (every source's [gv_i, gs_i] apart, routed = 0): its gradients are the
-    plain formula's, judged by error to fp64 against the torch form's. With a gradient
-    into the weights a, which the kernel does not take, the backward runs the torch form."""
+    """The eager DepthMixFunction (no route: evaluation, or UNROLL_DEPTH_READS) runs the
+    forward kernel for fp32 CPU tensors and its torch-form backward on the kernel's r: its
+    gradients are the plain formula's, judged by error to fp64 against the torch form's,
+    with and without a gradient into the weights a."""
     sources, inv, w, g = inputs(7, 2, 33, 24, seed=12)
     gz = torch.randn(2, 33, 24, generator=torch.Generator().manual_seed(13))
 
@@ -238,11 +238,11 @@ def test_eager_read_runs_the_kernels(monkeypatch):
     counting = CountingKernels(ops.fused_kernels())
     monkeypatch.setitem(ops._kernels, 'ext', counting)
     fused, plain, exact = grads(torch.float32, True), grads(torch.float32, False), grads(torch.float64, False)
-    assert counting.calls == ['forward', 'backward']
+    assert counting.calls == ['forward']
     for f, p, e in zip(fused, plain, exact):
         assert (f - e).abs().max() <= 4 * (p - e).abs().max() + 1e-6
     counting.calls.clear()
     fused_a, exact_a = grads(torch.float32, True, use_a=True), grads(torch.float64, False, use_a=True)
-    assert counting.calls == ['forward']  # the backward took ga: the torch form
+    assert counting.calls == ['forward']
     for f, e in zip(fused_a, exact_a):
         torch.testing.assert_close(f, e, rtol=1e-4, atol=1e-5)
