@@ -36,9 +36,16 @@ def _close(key, keys):
 
 def _check_type(key, value, current, where, declared=None):
     """Return `value` converted to the type of `current`, or raise ConfigError. `declared`:
-    the type of a key whose default is None (None itself stays allowed); without it a None
-    default accepts anything."""
+    the type of a key whose default is None (None itself stays allowed), or a tuple of the
+    types a key accepts; without it a None default accepts anything."""
     default = current
+    if isinstance(declared, tuple):  # one of several types, e.g. (str, bool) for fast = 'auto' | True | False
+        if bool in declared and isinstance(value, str) and value.lower() in ('true', 'false'):
+            return value.lower() == 'true'
+        if isinstance(value, declared):
+            return value
+        raise ConfigError(f"{where}: {key} expects {' or '.join(t.__name__ for t in declared)} "
+                          f"(default {default!r}), got {value!r} ({type(value).__name__})")
     if declared is not None:
         if value is None:
             return value
@@ -130,7 +137,8 @@ def configure(g, keys, argv, help_text=None, none_types=None):
 
     g: the namespace to update; keys: the declared config keys (each must be in g);
     argv: sys.argv[1:]; help_text: key -> one-line description, shown by -h/--help;
-    none_types: key -> type (int, float, bool or str) of a key whose default is None.
+    none_types: key -> type (int, float, bool or str) of a key whose default is None, or a
+    tuple of the types a key accepts (fast: (str, bool)).
     Positional arguments are config files, executed in order; then every --key=value
     is parsed with ast.literal_eval (falling back to the raw string). Values must have
     the type of the key's current value (int accepted for float, 'true'/'false' for

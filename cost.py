@@ -566,7 +566,7 @@ def family_shapes(family):
     for a family of families.py; the built-in main shapes if families.py is missing.
     Raises ValueError for an unknown family."""
     try:
-        import families
+        from study import families
     except ImportError:
         if family != 'main':
             raise ValueError(f"family {family!r} needs families.py; without it only 'main' is known")

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from residuals import RESIDUALS, RMSNorm
+
 
 def ffn_hidden_size(n_embd):
     """SwiGLU hidden width of the study, 16 * ceil(8d/3 / 16) (paper Sec. 2.2)."""
@@ -98,21 +100,6 @@ class GPTConfig:
 # -----------------------------------------------------------------------------
 # building blocks
 
-class RMSNorm(nn.Module):
-    """y = g * x / sqrt(mean(x^2) + eps), over the last dim; gain g (d) initialised to 1."""
-
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return F.rms_norm(x, (x.size(-1),), self.weight.to(x.dtype), self.eps)  # one dtype: the fused kernel
-
-    def reset_parameters(self):
-        nn.init.ones_(self.weight)
-
-
 def rope_cache(seq_len, head_dim, theta=10000.0, device=None):
     """cos, sin of shape (seq_len, head_dim/2) for rotary position embedding (RoPE)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
@@ -151,6 +138,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         return q, k, v
 
+    def rotate(self, t, rope):
+        """RoPE on q or k (B, heads, T, hd) with rope = (cos, sin) (T, hd/2)."""
+        return apply_rope(t, *rope)
+
     def out(self, y):
         """y (B, H, T, hd) -> (B, T, d) through the output projection."""
         B, H, T, hd = y.shape
@@ -158,8 +149,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope):
         q, k, v = self.qkv(x)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotate(q, rope), self.rotate(k, rope)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, hd)
         return self.out(y)
@@ -195,7 +185,6 @@ class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        from residuals import RESIDUALS  # residuals.py imports this file's building blocks
         if config.residual not in RESIDUALS:
             raise ValueError(f"unknown residual scheme {config.residual!r}; known: {', '.join(RESIDUALS)}")
         self.config = cfg = config
@@ -231,6 +220,23 @@ class GPT(nn.Module):
                                   self.config.rope_theta, device=self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+
+    def compile_regions(self):
+        """torch.compile the block, not the model: every branch (attention, MLP, and the
+        attention's projections for schemes that call them) and the scheme's `regions` are
+        compiled on their own, each once for all blocks, so compile time does not grow with
+        depth. A region that a fast path has replaced (fast/) stays as it is: the kernel is
+        opaque to the compiler. Returns self."""
+        for blk in self.blocks:
+            blk.attn.compile()
+            blk.mlp.compile()
+            blk.attn.qkv = torch.compile(blk.attn.qkv)
+            blk.attn.out = torch.compile(blk.attn.out)
+        res = self.residual
+        for name, grows in res.regions.items():
+            if name not in vars(res):  # not replaced by a fast path
+                setattr(res, name, compiled_region(getattr(res, name), grows))
+        return self
 
     def num_params(self, non_embedding=False):
         """Number of parameters; non_embedding=True leaves out the token embedding
@@ -313,6 +319,18 @@ class GPT(nn.Module):
         counted, as in PaLM; cost.py has the exact per-scheme forward formulas."""
         cfg = self.config
         return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+def compiled_region(fn, grows):
+    """torch.compile(fn), with the dims `grows` = [(argument, dim)] marked dynamic at every
+    call: one compile serves every depth, the other dims stay static (faster kernels)."""
+    compiled = torch.compile(fn)
+
+    def region(*args):
+        for i, dim in grows:
+            torch._dynamo.decorators.mark_unbacked(args[i], dim)
+        return compiled(*args)
+    return region
 
 
 # dense bf16 peak FLOP/s per accelerator (vendor datasheets); unknown -> no MFU

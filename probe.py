@@ -24,7 +24,7 @@ Metrics (--metrics=all or a comma list):
     prune          ARC-Easy acc / acc_norm with each block skipped, Fig. 8 left
     propagation    HC/mHC stream-mixing product: erank, mean |cos|, spectrum, Fig. 10, Eqs. 9-10
     domain_nll     completion NLL on coding / STEM / math, Fig. 4
-    jacobian       ||J_l - I||_F / sqrt(D) of each block's map, random-probe estimate (probe_analysis.py)
+    jacobian       ||J_l - I||_F / sqrt(D) of each block's map, random-probe estimate (analysis.py)
     usefulness     each block replaced by its least-squares linear stand-in: loss ratio, share > 10%
     token_collapse stable rank, entropy effective rank, L1/L2 of the singular values of each depth state
     prune_lm       held-out LM loss with each block skipped, ± s.e. over windows
@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import evals
-import probe_analysis
+from probes import analysis, evals
+from probes.runs import PrefixRunner, batches, ce_sum, clean_states, device_of, flat, run_from, swap_order  # noqa: F401
 from model import GPT, GPTConfig
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -73,8 +73,8 @@ CAUSAL_THRESHOLD = 0.45          # R_causal counts C > this (Eq. 6)
 PERM_THRESHOLD = 0.15            # R_perm counts P > this (Eq. 8)
 LATE_START_FRAC = 0.25           # late pairs: s >= ceil(L * this), 0-based (Eq. 5)
 METRICS = ['angular', 'causal', 'permutation', 'path_weights', 'block_weights',
-           'logit_lens', 'prune', 'propagation', 'domain_nll'] + list(probe_analysis.ANALYSES)
-DEFAULT_WINDOWS.update({name: a[1] for name, a in probe_analysis.ANALYSES.items()})  # the study's defaults
+           'logit_lens', 'prune', 'propagation', 'domain_nll'] + list(analysis.ANALYSES)
+DEFAULT_WINDOWS.update({name: a[1] for name, a in analysis.ANALYSES.items()})  # the study's defaults
 
 # -----------------------------------------------------------------------------
 # checkpoint, tokenizer and token windows
@@ -207,94 +207,6 @@ def sample_windows(val_bin, n_windows, seq_len, seed=42):
     return torch.from_numpy(np.stack([data[s:s + seq_len].astype(np.int64) for s in starts]))
 
 
-def batches(windows, batch_size, device, desc=None, progress=False):
-    """Yields micro-batches (b, T) of the windows on `device`."""
-    starts = range(0, len(windows), batch_size)
-    for s in tqdm(starts, desc=desc, unit='batch', disable=not progress, leave=False):
-        yield windows[s:s + batch_size].to(device)
-
-
-def _device(model):
-    return next(model.parameters()).device
-
-# -----------------------------------------------------------------------------
-# prefix reuse: run the shared prefix once, continue it for every intervention
-
-def clean_states(model, idx):
-    """The scheme states after the embedding and after each block of the default order:
-    a list of n_layer + 1 states (never modified in place, so they can be continued)."""
-    res, rope = model.residual, (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
-    states = [res.begin(model.wte(idx))]
-    for b in range(model.config.n_layer):
-        states.append(res.block(states[-1], b, model.blocks[b], rope))
-    return states
-
-
-def run_from(model, state, order, seq_len, skip=(), record=None):
-    """Continues a scheme state through the blocks of `order` (skipping those in `skip` with
-    the scheme's skip rule), as GPT.hidden does after its prefix. With record=[] appends
-    (probe_state, lens_state) after every block. Returns the final state (not yet `end`ed)."""
-    res, rope = model.residual, (model.rope_cos[:seq_len], model.rope_sin[:seq_len])
-    for b in order:
-        state = res.skip(state, b) if b in skip else res.block(state, b, model.blocks[b], rope)
-        if record is not None:
-            record.append((res.probe(state), res.lens(state)))
-    return state
-
-
-class PrefixRunner:
-    """GPT.hidden / logits with interventions, reusing the clean run of each input batch.
-
-    The clean states of a batch are computed once (keyed by the token ids) and kept until
-    clear(). A request (order, skip) starts from the clean state after its longest prefix
-    that agrees with the default order and skips nothing, so skipping block s costs L - s
-    blocks and swapping blocks i < j costs L - i, instead of L each time."""
-
-    def __init__(self, model):
-        self.model, self._cache = model, {}
-
-    def states(self, idx):
-        key = (tuple(idx.shape), hashlib.sha1(idx.cpu().numpy().tobytes()).hexdigest())
-        if key not in self._cache:
-            self._cache[key] = clean_states(self.model, idx)
-        return self._cache[key]
-
-    def clear(self):
-        self._cache.clear()
-
-    def hidden(self, idx, order=None, skip=(), record=None):
-        """Same result and record as model.hidden(idx, order, skip, record): h (B, T, d)."""
-        order = list(range(self.model.config.n_layer)) if order is None else list(order)
-        k = 0
-        while k < len(order) and order[k] == k and k not in skip:
-            k += 1
-        states, res = self.states(idx), self.model.residual
-        if record is not None:
-            record.extend((res.probe(s), res.lens(s)) for s in states[:k + 1])
-        return res.end(run_from(self.model, states[k], order[k:], idx.size(1), skip, record))
-
-    def logits(self, idx, order=None, skip=()):
-        """(B, T, V) logits of the model run with `order` / `skip`."""
-        return self.model.head(self.hidden(idx, order, skip))
-
-
-def swap_order(n_layer, i, j):
-    """The default block order with blocks i and j exchanged (Eq. 4)."""
-    order = list(range(n_layer))
-    order[i], order[j] = order[j], order[i]
-    return order
-
-
-def _flat(z):
-    # a probe state as one vector per token, in fp32: (B, T, ...) -> (B, T, D); HC streams -> R^{m d}
-    return z.float().flatten(2)
-
-
-def _ce_sum(logits, idx):
-    # summed next-token cross-entropy (nats) over the T - 1 predictions of each window
-    V = logits.size(-1)
-    return F.cross_entropy(logits[:, :-1].float().reshape(-1, V), idx[:, 1:].reshape(-1), reduction='sum').item()
-
 # -----------------------------------------------------------------------------
 # pure math
 
@@ -366,10 +278,10 @@ def angular_distance(model, windows, batch_size=BATCH_SIZE, progress=False):
     model.eval()
     L = model.config.n_layer
     total, n_tok = torch.zeros(L + 1, L + 1, dtype=torch.float64), 0
-    for idx in batches(windows, batch_size, _device(model), 'angular', progress):
+    for idx in batches(windows, batch_size, device_of(model), 'angular', progress):
         rec = []
         model.hidden(idx, record=rec)
-        Z = F.normalize(torch.stack([_flat(p) for p, _ in rec], dim=2).flatten(0, 1), dim=-1, eps=1e-12)  # (N, L+1, D)
+        Z = F.normalize(torch.stack([flat(p) for p, _ in rec], dim=2).flatten(0, 1), dim=-1, eps=1e-12)  # (N, L+1, D)
         with torch.autocast(Z.device.type, enabled=False):  # a bf16 Gram would blur cos near 1
             cos = (Z @ Z.transpose(1, 2)).clamp(-1.0, 1.0)  # (N, L+1, L+1), fp32 as the study
         total += (torch.arccos(cos) / math.pi).sum(0).double().cpu()
@@ -398,19 +310,19 @@ def causal_scores(model, windows, batch_size=BATCH_SIZE, reuse=True, progress=Fa
     L = model.config.n_layer
     num, n_tok = torch.zeros(L, L, dtype=torch.float64), 0
     pbar = tqdm(total=math.ceil(len(windows) / batch_size) * max(L - 1, 0), desc='causal', disable=not progress)
-    for idx in batches(windows, batch_size, _device(model)):
+    for idx in batches(windows, batch_size, device_of(model)):
         states = clean_states(model, idx)
-        z = [_flat(model.residual.probe(s)) for s in states]  # L+1 of (B, T, D)
+        z = [flat(model.residual.probe(s)) for s in states]  # L+1 of (B, T, D)
         u = [z[l + 1] - z[l] for l in range(L)]
         u_norm = [x.norm(dim=-1).clamp_min(1e-8) for x in u]  # (B, T)
         for s in range(L - 1):
             rec = []
             if reuse:  # states[s] is the state after blocks 0..s-1; rec[k] = z-bar_{s+1+k}
                 run_from(model, states[s], range(s, L), idx.size(1), skip={s}, record=rec)
-                zbar = {s + 1 + k: _flat(p) for k, (p, _) in enumerate(rec)}
+                zbar = {s + 1 + k: flat(p) for k, (p, _) in enumerate(rec)}
             else:
                 model.hidden(idx, skip={s}, record=rec)
-                zbar = {k: _flat(p) for k, (p, _) in enumerate(rec)}
+                zbar = {k: flat(p) for k, (p, _) in enumerate(rec)}
             for l in range(s + 1, L):
                 ratio = (zbar[l + 1] - zbar[l] - u[l]).norm(dim=-1) / u_norm[l]  # (B, T)
                 num[s, l] += ratio.double().sum().item()
@@ -443,12 +355,12 @@ def permutation_scores(model, windows, batch_size=BATCH_SIZE, pairs=None, reuse=
     base, swapped, n_pred = 0.0, {p: 0.0 for p in pairs}, 0
     runner = PrefixRunner(model)
     pbar = tqdm(total=math.ceil(len(windows) / batch_size) * len(pairs), desc='permutation', disable=not progress)
-    for idx in batches(windows, batch_size, _device(model)):
-        base += _ce_sum(runner.logits(idx), idx)
+    for idx in batches(windows, batch_size, device_of(model)):
+        base += ce_sum(runner.logits(idx), idx)
         for i, j in pairs:
             order = swap_order(L, i, j)
             logits = runner.logits(idx, order) if reuse else model(idx, order=order)[0]
-            swapped[(i, j)] += _ce_sum(logits, idx)
+            swapped[(i, j)] += ce_sum(logits, idx)
             pbar.update()
         runner.clear()  # one batch of clean states in memory at a time
         n_pred += idx.size(0) * (idx.size(1) - 1)
@@ -490,7 +402,7 @@ def late_pair_ratio(C=None, P=None, causal_threshold=CAUSAL_THRESHOLD, perm_thre
 def trace_keys(model):
     """The tensor names a scheme records while traced ('weights', 'current' for AttnRes / Block
     AttnRes; 'read', 'mix', 'write' for HC / mHC; none for the residual family)."""
-    idx = torch.zeros(1, 2, dtype=torch.long, device=_device(model))
+    idx = torch.zeros(1, 2, dtype=torch.long, device=device_of(model))
     with torch.no_grad(), model.residual.trace() as tape:
         model.hidden(idx)
     return set().union(*(e.keys() for e in tape)) - {'block', 'sublayer'} if tape else set()
@@ -581,7 +493,7 @@ def path_weights(model, windows, batch_size=BATCH_SIZE, progress=False):
         W[np.triu_indices(2 * L + 1, 1)] = np.nan
         return {'W': W, 'kind': 'unit', 'n_tokens': 0}
     total, n_tok = 0.0, 0
-    for idx in batches(windows, batch_size, _device(model), 'path weights', progress):
+    for idx in batches(windows, batch_size, device_of(model), 'path weights', progress):
         with model.residual.trace() as tape:
             model.hidden(idx)
         W, n = fn(tape)
@@ -605,7 +517,7 @@ def block_weights(model, windows, batch_size=BATCH_SIZE, dead_threshold=0.1, pro
                          f"this one is {model.config.residual!r}")
     K = 2 * model.config.n_layer
     sums, cur, n_tok = {}, {}, 0
-    for idx in batches(windows, batch_size, _device(model), 'block weights', progress):
+    for idx in batches(windows, batch_size, device_of(model), 'block weights', progress):
         with model.residual.trace() as tape:
             model.hidden(idx)
         for e in tape:
@@ -651,7 +563,7 @@ def logit_lens(model, windows, batch_size=BATCH_SIZE, progress=False):
     L = model.config.n_layer
     kl, ce, top5 = np.zeros(L + 1), np.zeros(L + 1), np.zeros(L + 1)
     n_pred = 0
-    for idx in batches(windows, batch_size, _device(model), 'logit lens', progress):
+    for idx in batches(windows, batch_size, device_of(model), 'logit lens', progress):
         rec = []
         h = model.hidden(idx, record=rec)
         logp_f = model.head(h)[:, :-1].float().log_softmax(-1)  # (B, T-1, V)
@@ -694,7 +606,7 @@ def propagation_stats(model, windows, batch_size=BATCH_SIZE, n_boot=1000, seed=0
     if 'mix' not in trace_keys(model):
         raise ValueError(f"propagation needs an HC / mHC model (trace 'mix'); this one is {model.config.residual!r}")
     er, cos, spec = [], [], []
-    for idx in batches(windows, batch_size, _device(model), 'propagation', progress):
+    for idx in batches(windows, batch_size, device_of(model), 'propagation', progress):
         with model.residual.trace() as tape:
             model.hidden(idx)
         P = propagation_products(tape)  # (B, T, m, m)
@@ -731,7 +643,7 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     model.eval()
     if not items:
         raise ValueError("prune_scan needs at least one ARC-Easy item")
-    L, device = model.config.n_layer, _device(model)
+    L, device = model.config.n_layer, device_of(model)
     pairs = evals.prepare_pairs(enc, items)
     offsets = np.cumsum([0] + [len(it['choices']) for it in items])
     variants = [None] + list(range(L))  # None = the full model
@@ -778,7 +690,7 @@ def domain_nll(model, enc, eval_dir=evals.EVAL_DIR, batch_size=8, tasks=evals.NL
         if t not in data:
             print(f"domain_nll: skipping {t} (no {Path(eval_dir) / (t + '.jsonl')})")
     return evals.domain_nll(lambda idx: model(idx)[0], enc, data, batch_size=batch_size,
-                            max_len=model.config.block_size, device=_device(model), progress=progress)
+                            max_len=model.config.block_size, device=device_of(model), progress=progress)
 
 # -----------------------------------------------------------------------------
 # command line
@@ -823,7 +735,7 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     """Runs `metrics` on one checkpoint; returns the results dict that goes into probe.json.
     json_path: where to write the results so far after each metric (None: nowhere).
     Raises ValueError when the held-out tokens or the tokenizer do not fit the model's vocabulary."""
-    from tokenizer import get_tokenizer
+    from data.tokenizer import get_tokenizer
     model, ckpt = load_model(ckpt_path, args.device)
     cfg, L = model.config, model.config.n_layer
     val_bin = args.val_bin or (str(data_dir_for(ckpt) / 'val.bin') if data_dir_for(ckpt) else None)
@@ -900,12 +812,12 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
                 out[metric] = prune_scan(model, tokenizer(), items, batch_size=args.eval_batch_size,
                                          progress=True)
                 out['settings'][metric] = {'n_items': len(items)}
-            elif metric in probe_analysis.ANALYSES:
-                if metric in ('jacobian', 'usefulness') and not probe_analysis._supported(model):
+            elif metric in analysis.ANALYSES:
+                if metric in ('jacobian', 'usefulness') and not analysis._supported(model):
                     skip(metric, f"{cfg.residual!r} computes its depth state from several streams: "
                                  f"no map of z_l to z_l+1 to differentiate or replace")
                     continue
-                out[metric] = probe_analysis.ANALYSES[metric][0](model, windows(metric), bs, args)
+                out[metric] = analysis.ANALYSES[metric][0](model, windows(metric), bs, args)
             elif metric == 'domain_nll':
                 if not evals.load_tasks(evals.NLL_TASKS, args.eval_dir):
                     skip(metric, f"no domain-NLL task in {args.eval_dir}; run `python data/evals/prepare.py`")
@@ -969,8 +881,8 @@ def _report(metric, r):
     # one summary line per metric, so a run shows what it found without opening the JSON
     if r is None:
         return
-    if metric in probe_analysis.ANALYSES:
-        print(probe_analysis.ANALYSES[metric][2](r))
+    if metric in analysis.ANALYSES:
+        print(analysis.ANALYSES[metric][2](r))
     elif metric == 'angular':
         print(f"angular: mean adjacent-state distance {_stat(np.nanmean, r['subsequent'][0]):.4f}, "
               f"embedding -> last {r['matrix'][0, -1]:.4f} ({r['n_tokens']:,} tokens)")
@@ -1024,7 +936,7 @@ def write_results(results, out_dir):
     """Writes probe.json, then the figures of one checkpoint, into out_dir; returns the paths."""
     write_json(results, Path(out_dir) / 'probe.json')
     import probe_plots  # after the JSON: without matplotlib the numbers are still kept
-    return [Path(out_dir) / 'probe.json'] + probe_plots.plot_all([results], out_dir)
+    return [Path(out_dir) / 'probe.json'] + plots.plot_all([results], out_dir)
 
 
 def load_results(path):
@@ -1066,9 +978,9 @@ def main(argv=None):
                    help="R_causal counts blocks whose causal score C exceeds this (Eq. 6)")
     p.add_argument('--perm_threshold', type=float, default=PERM_THRESHOLD,
                    help="R_perm counts block pairs whose permutation score P exceeds this (Eq. 8)")
-    p.add_argument('--jacobian_probes', type=int, default=probe_analysis.JACOBIAN_PROBES,
+    p.add_argument('--jacobian_probes', type=int, default=analysis.JACOBIAN_PROBES,
                    help="random probe vectors per block for the Jacobian deviation (0 = exact, D probes)")
-    p.add_argument('--usefulness_threshold', type=float, default=probe_analysis.USEFULNESS_THRESHOLD,
+    p.add_argument('--usefulness_threshold', type=float, default=analysis.USEFULNESS_THRESHOLD,
                    help="a block is significant when its linear stand-in raises the loss by more than this")
     p.add_argument('--label', default=None, help="name in figures (default: the checkpoint's directory)")
     args = p.parse_args(argv)
@@ -1100,7 +1012,7 @@ def main(argv=None):
         if len(set(labels)) < len(labels):  # compare.json is keyed by label: one would hide the other
             raise ValueError(f"two models share a label in {labels} (a label is the run directory's name, plus "
                              f"the file name for a file other than ckpt.pt): compare runs with distinct names")
-        import probe_plots
+        from probes import plots
         out_dir = Path(args.out_dir or 'out/probe_compare')
         all_results = []
         for path, label in zip(args.compare, labels):
@@ -1115,7 +1027,7 @@ def main(argv=None):
         write_json({r['label']: {k: v for k, v in r.items() if k in ('late_pairs', 'prune', 'propagation',
                                                                      'usefulness', 'prune_lm')}
                     for r in all_results}, out_dir / 'compare.json')
-        for path in probe_plots.plot_all(all_results, out_dir):
+        for path in plots.plot_all(all_results, out_dir):
             print(f"wrote {path}")
         return all_results
     except (ValueError, FileNotFoundError) as e:

@@ -1,13 +1,15 @@
 """
-The residual schemes of DepthBench (paper Table 1, Appendix A; docs/schemes.md): one class each, one
-registry `RESIDUALS` (name -> class) that `GPTConfig.residual` selects from.
+The residual schemes of DepthBench (paper Table 1, Appendix A; docs/schemes.md): one class
+each, one registry `RESIDUALS` (name -> class) that `GPTConfig.residual` selects from.
+
+Every scheme here is plain PyTorch, written as its docstring equation, and this code is
+what trains, evaluates and is probed. With fast paths on (`--fast`, on by default on CUDA)
+fast/ swaps a few of the methods below for fused kernels of the same inputs and outputs,
+after checking them against these at start-up (fast/__init__.py has the table).
 
 A scheme owns the wiring between the 2L branches of the backbone (model.py holds the
 branches without norms): its norms, its extra parameters, its state (one residual
 stream, m streams, or the history of sources), its readout and where the final norm goes.
-The math that AttnRes, HC/mHC and MoDA are built on (depth softmax, routing projection,
-Sinkhorn, joint depth attention), with its hand-written backwards, is in ops.py.
-
 The interface every scheme implements (`Residual`):
 
     state = begin(x)                     x: token embedding (B, T, d)
@@ -15,20 +17,19 @@ The interface every scheme implements (`Residual`):
     state = skip(state, b)               the study's "skip block b" rule (docs/probes.md, skip rule)
     h     = end(state)                   the readout state: (B, T, d), or HC/mHC's streams (B, T, m, d)
     y     = readout(h, norm_f)           (B, T, d), the LM head's input: the final RMSNorm applied
-                                         where the scheme applies it (default norm_f(h); HC: on
-                                         each stream, then summed, as the study's code does)
+                                         where the scheme applies it (default norm_f(h))
     probe(state), lens(state)            the depth state z_l and the LogitLens readout r_l
-                                         after the blocks run so far (docs/probes.md, depth and lens states)
+                                         after the blocks run so far (docs/probes.md)
+    unit_paths                           True when every residual add has weight 1 (probe.py's
+                                         path weights; schemes with coefficients trace them)
 
-Parameters of block b live in `self.layers[b]` (and are looked up by b, never by the
-position in the order), so when a diagnostic swaps two blocks, each block's weights,
-norms and routing parameters travel with it (docs/probes.md, swap rule).
+Parameters of block b live in `self.layers[b]` and are looked up by b, never by the
+position in the order, so when a diagnostic swaps two blocks each block's weights travel
+with it (docs/probes.md, swap rule). States are never modified in place: a diagnostic may
+keep the state after a shared prefix of blocks and continue it several times.
 
-States are never modified in place: a diagnostic may keep the state after a shared
-prefix of blocks and continue it several times (probe.py).
-
-Per-sublayer coefficients (HC/mHC read/mix/write weights, AttnRes depth-softmax
-weights) are recorded while a `trace()` is active:
+Per-sublayer coefficients (HC/mHC read/mix/write weights, AttnRes depth-softmax weights)
+are recorded while a `trace()` is active:
 
     with model.residual.trace() as tape:
         model(idx)
@@ -41,10 +42,27 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from model import RMSNorm, apply_rope
-from ops import (NormedProjection, check_sinkhorn_iters, depth_attention, depth_mix, no_autocast, open_route,
-                 route_write, sinkhorn_leading)
+
+class RMSNorm(nn.Module):
+    """y = g * x / sqrt(mean(x^2) + eps) over the last dim; gain g (d) initialised to 1."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight.to(x.dtype), self.eps)
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+def no_autocast(x):
+    """Autocast off on x's device: routing math runs in the dtype it is given (fp32)."""
+    return contextlib.nullcontext() if x.device.type == 'meta' else torch.autocast(x.device.type, enabled=False)
 
 
 class Residual(nn.Module):
@@ -52,6 +70,12 @@ class Residual(nn.Module):
     skip/probe/lens. The default state is one residual stream h (B, T, d)."""
 
     peak_lr = 2e-3  # the study's peak learning rate for this scheme (paper Sec. 2.3, Table 4)
+    unit_paths = False  # True: every residual add has weight 1, the explicit path weights of
+                        # Pre-LN (paper Fig. 7); otherwise probe.py reads them from a trace
+                        # ('weights' or 'read'/'mix'/'write') or refuses the metric
+    regions = {}        # methods that GPT.compile_regions compiles on their own, besides the
+                        # backbone's branches: name -> [(argument, dim)] of the dims that grow with
+                        # depth, so that one compile serves every block
 
     def __init__(self, cfg):
         super().__init__()
@@ -60,23 +84,14 @@ class Residual(nn.Module):
 
     def init_weights(self, model):
         """(Re)initialises every parameter of the scheme; may rescale the backbone's
-        weights (`model.blocks`). Called last by GPT.init_weights. Default: every norm gain
-        of the scheme is 1."""
+        weights (`model.blocks`). Called last by GPT.init_weights. Default: every norm gain 1."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, nn.LayerNorm)):
                 m.reset_parameters()
 
-    def route_bytes_per_token(self, compiled=True):
-        """Bytes per token of one gradient of this scheme's route, the way its depth reads
-        return their sources' gradients (ops.open_route) in a training step under
-        torch.compile (compiled=True) or eagerly; 0 for schemes without one there.
-        cost.train_memory counts the backward's workspace from it."""
-        return 0
-
     def no_weight_decay(self):
-        """Names (relative to this module) of the parameters exempt from weight decay in
-        every mode of GPT.configure_optimizers (the study's exemptions: HC/mHC static
-        routing). Default: none, every parameter of the scheme decays as in the study."""
+        """Names (relative to this module) of the parameters exempt from weight decay
+        (the study's exemptions: HC/mHC static routing). Default: none."""
         return set()
 
     def begin(self, x):
@@ -93,9 +108,8 @@ class Residual(nn.Module):
         return state
 
     def readout(self, h, norm):
-        """The LM head's input (B, T, d) from a readout state h (`end`'s result, or a `lens`
-        state): the final RMSNorm `norm` (the model's norm_f) applied where this scheme
-        applies it. Default: norm(h)."""
+        """The LM head's input (B, T, d) from a readout state h: the final RMSNorm `norm`
+        (the model's norm_f) applied where this scheme applies it. Default: norm(h)."""
         return norm(h)
 
     def probe(self, state):
@@ -150,6 +164,8 @@ class PreLN(SingleStream):
 
     for every sublayer. No parameters beyond one RMSNorm gain per sublayer."""
 
+    unit_paths = True
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.layers = nn.ModuleList([PreNormLayer(cfg) for _ in range(cfg.n_layer)])
@@ -164,27 +180,17 @@ class PreLN(SingleStream):
 
 def rms_norm_eps(x, norm, eps):
     """RMSNorm of x (B, T, d) with the gain of `norm` (an RMSNorm) but epsilon `eps`."""
-    return torch.nn.functional.rms_norm(x, (x.size(-1),), norm.weight.to(x.dtype), eps)
-
-
-def inv_rms(v, eps):
-    """1 / sqrt(mean(v^2) + eps) over the last dim, in fp32: v (B, T, d) -> (B, T, 1)."""
-    return torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + eps)
+    return F.rms_norm(x, (x.size(-1),), norm.weight.to(x.dtype), eps)
 
 
 class DepthMixer(nn.Module):
-    """One AttnRes read: a pseudo-query w (d, zero init) and a key-norm gain g (d, init 1)."""
+    """The parameters of one AttnRes read: a pseudo-query w (d, zero init) and a key-norm
+    gain g (d, init 1, eps cfg.attnres_eps)."""
 
     def __init__(self, cfg):
         super().__init__()
-        self.eps = cfg.attnres_eps
         self.query = nn.Parameter(torch.zeros(cfg.n_embd))
-        self.key_norm = RMSNorm(cfg.n_embd, cfg.attnres_eps)  # its eps is the 1/rms the state carries
-
-    def forward(self, sources, inv_rmses, route=None, routed=None):
-        """(z, a, the route after the read: None without one), `ops.depth_mix`'s."""
-        out = depth_mix(sources, inv_rmses, self.query, self.key_norm.weight, route, routed)
-        return out if route is not None else (*out, None)
+        self.key_norm = RMSNorm(cfg.n_embd, cfg.attnres_eps)
 
 
 class AttnResLayer(PreNormLayer):
@@ -205,28 +211,22 @@ class AttnRes(Residual):
 
     Sources v_0 = token embedding, v_{k+1} = raw output of sublayer k. Sublayer k reads
 
-        z_k = sum_{i<=k} a_ki v_i,  a_k = softmax_i(w_k^T RMSNorm_key,k(v_i)),   f_k = F_k(RMSNorm_pre,k(z_k))
+        z_k = sum_{i<=k} a_ki v_i,  a_k = softmax_i(w_k . RMSNorm_key,k(v_i)),   f_k = F_k(RMSNorm_pre,k(z_k))
 
-    with a zero-initialised pseudo-query w_k (d): at init every read is the mean of its
-    sources, whose RMSNorm equals Pre-LN's (up to eps). Block 0's attention reads
+    (`read`) with a zero-initialised pseudo-query w_k (d): at init every read is the mean of
+    its sources, whose RMSNorm equals Pre-LN's (up to eps). Block 0's attention reads
     RMSNorm(v_0) and has no depth parameters; a final aggregator mixes all 2L+1 sources
     into the input of the final RMSNorm. Extra parameters: 2d per read, 4Ld in all.
+    Epsilons as in the study's code: the key norms, the RMSNorm_pre on each read's result and
+    the final norm use cfg.attnres_eps (1e-5); block 0's attention norm keeps cfg.norm_eps.
 
-    Epsilons, as in the study's code (its fused kernel kernels/attnres.py takes one eps, that
-    of the key norm, OLMo-core's RMSNorm default 1e-5): the key norms, the RMSNorm_pre,k on
-    each read's result (with the sublayer's own attn_norm / mlp_norm gain) and the final
-    norm (with norm_f's gain, `readout`) use cfg.attnres_eps; block 0's attention norm on
-    the embedding alone keeps cfg.norm_eps (1e-6). attnres_eps = norm_eps gives one eps.
-
-    State: (sources, their 1/rms, mix, route) where mix is the raw depth mix the next block's
-    attention reads (probe and lens state z_l, docs/probes.md, depth and lens states) and
-    route is None (no gradient, or ops.UNROLL_DEPTH_READS), else the route of the sources'
-    gradients (ops.open_route: source i on slot i), which makes every read one op of the
-    compiled graph and, eagerly, adds every read's gradients into one buffer in place.
-    Skip rule (docs/probes.md): a skipped block adds no sources, and the next read is the
-    identity on the newest source. Unlike the study's code, skipping block 0 does not put
-    the embedding into the bank twice.
+    State: (sources, mix), mix = the raw depth mix the next block's attention reads (probe
+    and lens state z_l). Skip rule (docs/probes.md): a skipped block adds no sources, and
+    the next read is the identity on the newest source (unlike the study's code, skipping
+    block 0 does not put the embedding into the bank twice).
     """
+
+    regions = {'mix': [(0, 0)]}  # V (n, B, T, d): n grows with depth
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -238,55 +238,147 @@ class AttnRes(Residual):
             nn.init.zeros_(layer.mlp_mix.query)
             nn.init.zeros_(layer.out_mix.query)
 
-    def route_slots(self):
-        """Sources a forward pass can hold: the embedding and the 2L sublayer outputs."""
-        return 2 * self.cfg.n_layer + 1
+    def read(self, sources, mixer):
+        """The depth read of one sublayer: sources n x (B, T, d) -> (z, a), see `mix`."""
+        return self.mix(torch.stack(sources), mixer)
 
-    def route_bytes_per_token(self, compiled=True):
-        return self.route_slots() * (self.cfg.n_embd + 1) * 4  # slots of [v_i, 1/rms_i], fp32; eager too
-
-    def begin(self, x):
-        sources, inv_rmses, route = self.add_source((), (), open_route(x, self.route_slots(), x.size(-1) + 1, eager=True), x)
-        return sources, inv_rmses, x, route
+    def mix(self, V, mixer):
+        """z = sum_i a_i v_i, a = softmax_i(w . RMSNorm_key(v_i)): V (n, B, T, d) -> z (B, T, d),
+        a (n, B, T), both fp32 (fp64 for fp64 sources), under autocast too."""
+        V = V.to(torch.promote_types(V.dtype, torch.float32))
+        with no_autocast(V):
+            keys = F.rms_norm(V, (V.size(-1),), mixer.key_norm.weight.to(V.dtype), mixer.key_norm.eps)
+            a = torch.softmax(keys @ mixer.query.to(V.dtype), dim=0)             # (n, B, T), over depth
+            z = torch.einsum('nbt,nbtd->btd', a, V)                              # (B, T, d)
+        return z, a
 
     def attn_input(self, p, mix, embedding_only):
         """The attention input of a block with parameters p: its attn_norm on the embedding
         alone (the study's block 0, eps cfg.norm_eps), else on a read's result (attnres_eps)."""
         return p.attn_norm(mix) if embedding_only else rms_norm_eps(mix, p.attn_norm, self.cfg.attnres_eps)
 
-    def add_source(self, sources, inv_rmses, route, f):
-        """Appends source f, its 1/rms and its slot on the route (if any)."""
-        s = inv_rms(f, self.cfg.attnres_eps)
-        return sources + (f,), inv_rmses + (s,), route_write(route, len(sources), f, s)
+    def begin(self, x):
+        return (x,), x
 
     def block(self, state, b, layer, rope):
-        sources, inv_rmses, mix, route = state
-        p, eps = self.layers[b], self.cfg.attnres_eps
-        f = layer.attn(self.attn_input(p, mix, len(sources) == 1), rope)
-        sources, inv_rmses, route = self.add_source(sources, inv_rmses, route, f)
-        z, a, route = p.mlp_mix(sources, inv_rmses, route)
+        sources, mix = state
+        p = self.layers[b]
+        sources = sources + (layer.attn(self.attn_input(p, mix, len(sources) == 1), rope),)
+        z, a = self.read(sources, p.mlp_mix)
         self.record(b, 1, weights=a)
-        f = layer.mlp(rms_norm_eps(z, p.mlp_norm, eps))
-        sources, inv_rmses, route = self.add_source(sources, inv_rmses, route, f)
-        mix, a, route = p.out_mix(sources, inv_rmses, route)
+        sources = sources + (layer.mlp(rms_norm_eps(z, p.mlp_norm, self.cfg.attnres_eps)),)
+        mix, a = self.read(sources, p.out_mix)
         self.record(b + 1, 0, weights=a)  # the read of the next block's attention (or the final one)
-        return sources, inv_rmses, mix, route
+        return sources, mix
 
     def skip(self, state, b):
-        sources, inv_rmses, _, route = state
-        return sources, inv_rmses, sources[-1], route
+        sources, _ = state
+        return sources, sources[-1]
 
     def end(self, state):
-        return state[2]
+        return state[1]
 
     def readout(self, h, norm):
         return rms_norm_eps(h, norm, self.cfg.attnres_eps)  # the study fuses it into the last read
 
     def probe(self, state):
-        return state[2]
+        return state[1]
 
     def lens(self, state):
-        return state[2]
+        return state[1]
+
+
+class BlockState(NamedTuple):
+    """State of Block AttnRes between blocks (never modified in place)."""
+    sources: tuple                # v_0 = embedding, then the frozen block sums, each (B, T, d)
+    partial: torch.Tensor | None  # running sum of the current AttnRes block's outputs (None: empty)
+    k: int                        # 0-based index of the next sublayer, the one that reads `mix`
+    mix: torch.Tensor             # the raw depth mix sublayer k reads (B, T, d)
+    boundary: bool                # whether that read is at an AttnRes-block boundary
+
+
+class BlockAttnRes(AttnRes):
+    """Block Attention Residuals (arXiv 2603.15031; paper Table 1, Appendix A).
+
+    As Full AttnRes (same parameters, same `read`), but the sources are block sums. The 2L
+    sublayers form cfg.attnres_blocks AttnRes blocks of S = 2L / attnres_blocks sublayers.
+    At sublayer k with k % S == 0 and k > 0 the running partial sum P is frozen as a new
+    source before sublayer k's input is computed; sublayer k's output starts the next P:
+
+        z_k = sum_i a_ki v_i over v in [embedding, frozen block sums..., P if non-empty],
+        f_k = F_k(RMSNorm_pre,k(z_k)),   P <- P + f_k
+
+    The final aggregator reads the same way at k = 2L. S = 1 is Full AttnRes. With
+    2L < attnres_blocks every sublayer is its own block; otherwise 2L must be a multiple.
+    Boundaries are positions in the run (k counts the sublayers run or skipped so far), so a
+    swapped block uses the boundaries of the place it runs in (docs/probes.md, swap rule).
+
+    probe z_l: the raw mix of block l's attention read when that read is a boundary, else
+    the running partial sum. lens: that raw mix, for every block. Trace per read: `weights`
+    (n_sources, B, T) and `current` (index of P among the sources, -1 if not among them).
+    Skip (docs/probes.md, skip rule, adapted): the skipped block adds nothing and passes P
+    through; boundaries inside it still freeze P; if the next read is a boundary it is the
+    identity on the newest source, otherwise the usual mix over the unchanged sources.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        n_sub = 2 * cfg.n_layer
+        if cfg.attnres_blocks < 1:
+            raise ValueError(f"attnres_blocks must be >= 1, got {cfg.attnres_blocks}")
+        n_blocks = min(cfg.attnres_blocks, n_sub)
+        if n_sub % n_blocks:
+            raise ValueError(f"Block AttnRes needs 2*n_layer = {n_sub} sublayers divisible by "
+                             f"attnres_blocks = {cfg.attnres_blocks}: choose attnres_blocks among "
+                             f"{[n for n in range(1, n_sub + 1) if n_sub % n == 0]}")
+        self.group_size = n_sub // n_blocks  # S, sublayers per AttnRes block
+
+    def read_at(self, sources, partial, k, mixer, b, j):
+        """The input of sublayer k (recorded as block b, sublayer j): freezes P at a boundary,
+        then reads the embedding, the frozen blocks and P. -> (sources, partial, z, boundary)."""
+        boundary = k % self.group_size == 0
+        if boundary and partial is not None:
+            sources, partial = sources + (partial,), None
+        current = -1 if partial is None else len(sources)
+        z, a = self.read(sources if partial is None else sources + (partial,), mixer)
+        if self.tape is not None:
+            self.record(b, j, weights=a, current=torch.tensor(current))
+        return sources, partial, z, boundary
+
+    def begin(self, x):
+        return BlockState((x,), None, 0, x, True)
+
+    def block(self, state, b, layer, rope):
+        sources, partial, k, mix, _ = state
+        p = self.layers[b]
+        f = layer.attn(self.attn_input(p, mix, len(sources) == 1 and partial is None), rope)
+        partial = f.to(sources[0].dtype) if partial is None else partial + f  # sums in the embedding's dtype
+        sources, partial, z, _ = self.read_at(sources, partial, k + 1, p.mlp_mix, b, 1)
+        f = layer.mlp(rms_norm_eps(z, p.mlp_norm, self.cfg.attnres_eps))
+        partial = f.to(sources[0].dtype) if partial is None else partial + f
+        # the read of the next block's attention, or the final aggregator (recorded as block b+1)
+        sources, partial, mix, boundary = self.read_at(sources, partial, k + 2, p.out_mix, b + 1, 0)
+        return BlockState(sources, partial, k + 2, mix, boundary)
+
+    def skip(self, state, b):
+        sources, partial, k, _, _ = state
+        if (k + 1) % self.group_size == 0 and partial is not None:  # a boundary at the skipped MLP still freezes P
+            sources, partial = sources + (partial,), None
+        if (k + 2) % self.group_size == 0:  # next-output rule: identity on the newest source
+            if partial is not None:
+                sources = sources + (partial,)
+            return BlockState(sources, None, k + 2, sources[-1], True)
+        sources, partial, mix, boundary = self.read_at(sources, partial, k + 2, self.layers[b].out_mix, b + 1, 0)
+        return BlockState(sources, partial, k + 2, mix, boundary)
+
+    def end(self, state):
+        return state.mix
+
+    def probe(self, state):
+        return state.mix if state.boundary or state.partial is None else state.partial
+
+    def lens(self, state):
+        return state.mix
 
 
 # ---- Hyper-Connections -------------------------------------------------------
@@ -306,29 +398,21 @@ class MultiStream(Residual):
     """Base of the m-stream schemes (HC, mHC). State: H (B, T, m, d), m = cfg.hc_streams.
 
     Per sublayer the subclass computes, per token, a read vector r (m), a mixing matrix
-    M (m x m) and a write vector w (m) from the streams, and then
+    M (m x m) and a write vector w (m) from the streams (`coefficients`), and then
 
         x = sum_s r[s] H[s],   y = F(RMSNorm(x)),   H'[t] = sum_s M[s, t] H[s] + w[t] y
 
-    (RMSNorm = the sublayer's ordinary pre-norm attn_norm / mlp_norm). Read and mix are one
-    batched matmul [r | M]^T H (under torch.compile: the same product written as a broadcast
-    multiply summed over the streams, which inductor fuses into one pass). The embedding is
-    copied into every stream. end = the streams H (B, T, m, d), and `readout` applies the
-    final RMSNorm as cfg.hc_readout says ('auto' = the study's code, `default_readout`):
-      'norm_sum': sum_s RMSNorm_f(H[s])  (HC: the study's Transformer.forward, collapse 'sum',
-                  puts lm_head.norm on each stream and sums; the HC paper's text sums first)
-      'sum':      RMSNorm_f(sum_s H[s])  (that paper text; equal to 'mean' up to the norm's eps)
+    (`read_streams`, `write_streams`; RMSNorm = the sublayer's attn_norm / mlp_norm). The
+    routing runs in fp32 with autocast off (the streams are fp32, as Pre-LN's residual
+    stream); only the branch F runs under autocast. The embedding is copied into every
+    stream. end = the streams H, and `readout` applies the final RMSNorm as cfg.hc_readout says
+    ('auto' = the study's code, `default_readout`):
+      'norm_sum': sum_s RMSNorm_f(H[s])  (HC: the study's Transformer.forward, collapse 'sum')
+      'sum':      RMSNorm_f(sum_s H[s])  (the HC paper's text)
       'mean':     RMSNorm_f(mean_s H[s]) (mHC: the study's Liger backend, collapse 'mean')
-    lens = the streams too, so LogitLens decodes a depth state exactly as the head decodes
-    the last one (its KL to the output is 0 after the last block). The study's analysis
-    code (depth_probes.decode_readout) instead decodes RMSNorm_f(reduce(H)), the sum (the
-    mean for mHC); for HC that differs from its own readout. probe = the m streams
-    concatenated (B, T, m d) (docs/probes.md, depth states); skip = identity on all streams, no mixing
-    and no write (docs/probes.md, skip rule). Trace per sublayer: read r (B, T, m), mix M (B, T, m, m) with new
-    stream t = sum_s M[s, t] H[s], write w (B, T, m).
-
-    The routing runs with autocast off, in the streams' dtype (fp32 under bf16 autocast,
-    as Pre-LN's residual stream is); only the branch F runs under autocast.
+    lens = the streams, decoded by `readout` (its KL to the output is 0 after the last block);
+    probe = the streams concatenated (B, T, m d); skip = identity on all streams. Trace per
+    sublayer: read r (B, T, m), mix M (B, T, m, m), write w (B, T, m).
     """
 
     default_readout = 'sum'  # what hc_readout='auto' means for the subclass (the study's code)
@@ -352,41 +436,39 @@ class MultiStream(Residual):
     @torch.no_grad()
     def init_weights(self, model):
         super().init_weights(model)
-        if self.cfg.hc_out_init_scale:  # the study's scale_output_init_by_sqrt_n: m streams each receive the branch output
+        if self.cfg.hc_out_init_scale:  # the study's scale_output_init_by_sqrt_n
             for blk in model.blocks:
                 blk.attn.wo.weight.div_(math.sqrt(self.m))
                 blk.mlp.w_down.weight.div_(math.sqrt(self.m))
 
     def coefficients(self, H, route):
-        """H (B, T, m, d) -> C = [r | M] (B, T, m, m+1) and w (B, T, m)."""
+        """H (B, T, m, d) fp32 -> r (B, T, m), M (B, T, m, m), w (B, T, m), fp32."""
         raise NotImplementedError
 
+    def read_streams(self, H, r):
+        """x = sum_s r[s] H[s]: (B, T, m, d), (B, T, m) -> (B, T, d)."""
+        return torch.einsum('bts,btsd->btd', r, H)
+
+    def write_streams(self, H, M, w, y):
+        """H'[t] = sum_s M[s, t] H[s] + w[t] y: (B, T, m, d), (B, T, m, m), (B, T, m), (B, T, d) -> (B, T, m, d)."""
+        return torch.einsum('btsu,btsd->btud', M, H) + w.unsqueeze(-1) * y.unsqueeze(-2)
+
     def sublayer(self, H, b, j, route, norm, f):
-        C, w = self.coefficients(H, route)                      # (B, T, m, m+1), (B, T, m)
-        self.record(b, j, read=C[..., 0], mix=C[..., 1:], write=w)
         with no_autocast(H):
-            if torch.compiler.is_compiling():
-                # inductor fuses the broadcast product and its sum over s into one pass over H
-                # (0.94x the HC step time of the bmm, compiled); eagerly it would build a
-                # (B, T, m, m+1, d) temporary
-                xm = (C.unsqueeze(-1) * H.to(C.dtype).unsqueeze(-2)).sum(-3)  # (B, T, m+1, d)
-            else:
-                Ct = C.transpose(-1, -2).contiguous()            # (B, T, m+1, m); contiguous: bmm's fast path
-                xm = Ct @ H.to(C.dtype)                          # (B, T, m+1, d)
-            x, mixed = xm.split([1, self.m], dim=-2)             # (B, T, 1 | m, d)
-        y = f(norm(x.squeeze(-2).to(H.dtype)))                   # (B, T, d)
-        return torch.addcmul(mixed, w.unsqueeze(-1), y.unsqueeze(-2)).to(H.dtype)  # (B, T, m, d)
+            r, M, w = self.coefficients(H, route)
+            x = self.read_streams(H, r)                        # (B, T, d)
+        self.record(b, j, read=r, mix=M, write=w)
+        y = f(norm(x))                                         # the branch, under autocast if on
+        with no_autocast(H):
+            return self.write_streams(H, M, w, y.to(H.dtype))  # (B, T, m, d)
 
     def begin(self, x):
-        return x.unsqueeze(-2).repeat(1, 1, self.m, 1)        # (B, T, m, d), m copies of the embedding
+        return x.unsqueeze(-2).repeat(1, 1, self.m, 1)  # (B, T, m, d), m copies of the embedding
 
     def block(self, H, b, layer, rope):
         p = self.layers[b]
         H = self.sublayer(H, b, 0, p.attn_route, p.attn_norm, lambda x: layer.attn(x, rope))
         return self.sublayer(H, b, 1, p.mlp_route, p.mlp_norm, layer.mlp)
-
-    def end(self, H):
-        return H                                                # (B, T, m, d), read by `readout`
 
     def reduce(self, H):
         """The study's reduce_residual_streams: (B, T, m, d) -> (B, T, d), mean or sum."""
@@ -395,14 +477,11 @@ class MultiStream(Residual):
     def readout(self, H, norm):
         assert H.dim() == 4 and H.size(-2) == self.m, "a multi-stream readout state is (B, T, m, d)"
         if self.readout_mode == 'norm_sum':
-            return norm(H).sum(-2)                              # (B, T, d)
+            return norm(H).sum(-2)                             # (B, T, d)
         return norm(self.reduce(H))
 
     def probe(self, H):
-        return H.flatten(-2)                                    # (B, T, m d)
-
-    def lens(self, H):
-        return H                                                # (B, T, m, d), decoded by `readout`
+        return H.flatten(-2)                                   # (B, T, m d)
 
 
 class HCRoute(nn.Module):
@@ -421,7 +500,6 @@ class HCRoute(nn.Module):
 
 
 class HC(MultiStream):
-
     """Hyper-Connections (Zhu et al., arXiv 2409.19606, dynamic variant; paper Appendix A).
 
     m streams H (B, T, m, d). Sublayer k, with H_bar = RMS(H) per stream (no weight, eps 1e-8):
@@ -430,24 +508,13 @@ class HC(MultiStream):
         beta        = static_beta  + s_beta  * tanh(H_bar w_beta) (m)
         x = A_m^T H,   f = F(RMSNorm(x)),   H' = A_r^T H + beta (x) f
 
-    The coefficients come from the normalised streams but multiply the raw ones; W and
-    w_beta are one fused (d, m+2) projection. Init: A_m = one-hot e_{k mod m} (k = 2b + j,
-    chosen from the block index so that it travels with the block on a swap), A_r = I,
-    beta = 1, W = w_beta = 0, s_alpha = s_beta = 0.01, and (cfg.hc_out_init_scale, on by
-    default: the study's scale_output_init_by_sqrt_n) attention-out and SwiGLU-down init
-    divided by sqrt(m). Every stream then equals the h of Pre-LN run with the same
-    (rescaled) backbone weights, so the default readout, the final norm on each stream
-    summed, gives m times that Pre-LN model's logits ('sum' readout: exactly its logits).
-    Extra parameters per sublayer: m(m+1) + d(m+1) + 1 + m + d + 1 = (m+2)(m+d) + 2.
-    Weight decay (the study's hyper_connections_common.py): static_alpha and static_beta
-    are exempt; the dynamic projections and the scales s_alpha, s_beta decay.
-
-    Differences from the study's code: A_r is applied (one public version of
-    `hyper_connections.py` computed it and dropped it, though the paper's Fig. 10 effective
-    ranks below m imply it acted; the later one applies
-    it, as here); the study keeps parameters and streams in bf16, here the weights are fp32
-    and the routing runs in the streams' dtype with autocast off (fp32 under bf16 autocast).
-    Readout: see MultiStream ('norm_sum', the study's code, by default).
+    The coefficients come from the normalised streams but multiply the raw ones. Init:
+    A_m = one-hot e_{k mod m} (k = 2b + j), A_r = I, beta = 1, W = w_beta = 0,
+    s_alpha = s_beta = 0.01, and (cfg.hc_out_init_scale, the study's default) attention-out
+    and SwiGLU-down init divided by sqrt(m): every stream then equals Pre-LN's h with the same
+    (rescaled) backbone. Extra parameters per sublayer: (m+2)(m+d) + 2. Weight decay: static_alpha
+    and static_beta are exempt (the study's hyper_connections_common.py). A_r is applied (one
+    public version of the code computed it and dropped it). Readout: 'norm_sum' by default.
     """
 
     default_readout = 'norm_sum'  # the study's Transformer.forward (collapse 'sum')
@@ -474,19 +541,16 @@ class HC(MultiStream):
                 for s in ('attn', 'mlp') for n in ('static_alpha', 'static_beta')}
 
     def coefficients(self, H, r):
-        B, T, m, d = H.shape
-        with no_autocast(H):
-            Wt = torch.cat([r.dynamic_alpha.t(), r.dynamic_beta.unsqueeze(0)]).to(H.dtype)  # [W | w_beta]^T (m+2, d)
-            dyn = torch.tanh(NormedProjection.apply(H, Wt, 1e-8))  # tanh(H_bar [W | w_beta]) (m+2, B, T, m)
-            C = r.static_alpha + r.alpha_scale * dyn[:m + 1].permute(1, 2, 3, 0)  # (B, T, m, m+1) = [A_m | A_r]
-            w = r.static_beta + r.beta_scale * dyn[m + 1]                            # (B, T, m)
-        return C.to(H.dtype), w.to(H.dtype)
+        Hn = F.rms_norm(H, (H.size(-1),), eps=1e-8)                                  # H_bar (B, T, m, d)
+        C = r.static_alpha + r.alpha_scale * torch.tanh(Hn @ r.dynamic_alpha)        # (B, T, m, m+1) = [A_m | A_r]
+        w = r.static_beta + r.beta_scale * torch.tanh(Hn @ r.dynamic_beta)           # (B, T, m)
+        return C[..., 0].contiguous(), C[..., 1:].contiguous(), w  # contiguous: the CPU batched matmul's fast path
 
 
 class MHCRoute(nn.Module):
     """Routing parameters of one mHC sublayer: projection phi (m d, m^2 + 2m) and bias
-    (m^2 + 2m), columns [pre (m) | post (m) | res (m^2, row-major)], and the scalar gates
-    alpha_pre, alpha_post, alpha_res."""
+    (m^2 + 2m), columns [pre (m) | post (m) | res (m^2, row-major (in, out))], and the
+    scalar gates alpha_pre, alpha_post, alpha_res."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -498,7 +562,33 @@ class MHCRoute(nn.Module):
         self.alpha_res = nn.Parameter(torch.tensor(0.01))
 
 
-LIGER_SINKHORN_EPS = 1e-6  # liger_kernel's mHC sinkhorn_eps (LigerHyperConnection's default, the study's)
+LIGER_SINKHORN_EPS = 1e-6  # liger_kernel's mHC sinkhorn_eps (the study's default backend)
+
+
+def sinkhorn(logits, iters, order='liger', eps=LIGER_SINKHORN_EPS):
+    """Sinkhorn-Knopp: exp(logits) (..., m_in, m_out) -> an approximately doubly stochastic
+    P (mHC, arXiv 2512.24880), `iters` rounds of two normalisations.
+    order 'liger' (the study's default backend, liger_kernel ops/mhc.py, which stores H_res
+        (out, in)): the sums over inputs (per output) first, over outputs (per input) last,
+        a stable softmax for the first step, eps added to every entry and denominator;
+    order 'plain' (its PyTorch backend's sinkhorn_log): over outputs first, inputs last,
+        no eps; the first round in the log domain, so no sum is ever 0.
+    Raises ValueError for iters < 1 or an unknown order."""
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"Sinkhorn needs an int number of rounds >= 1, got {iters!r}")
+    if order not in ('liger', 'plain'):
+        raise ValueError(f"Sinkhorn order must be 'liger' or 'plain', got {order!r}")
+    first, last = (-2, -1) if order == 'liger' else (-1, -2)
+    if order == 'liger':
+        P = torch.softmax(logits, dim=first) + eps
+        P = P / (P.sum(last, keepdim=True) + eps)
+    else:
+        eps = 0.0
+        P = torch.softmax(torch.log_softmax(logits, dim=first), dim=last)
+    for _ in range(iters - 1):
+        P = P / (P.sum(first, keepdim=True) + eps)
+        P = P / (P.sum(last, keepdim=True) + eps)
+    return P
 
 
 class MHC(MultiStream):
@@ -512,59 +602,29 @@ class MHC(MultiStream):
         H_res  = Sinkhorn(alpha_res * mat(l_res) + b_res)            (m x m), cfg.mhc_sinkhorn_iters rounds
         u = sum_i H_pre[i] H[i],  f = F(RMSNorm(u)),  H'[j] = sum_i H_res[i, j] H[i] + H_post[j] f
 
-    Layout: H_res[i, j] is the weight of old stream i in new stream j, stored (in, out);
-    mat(l_res) and b_res fill it row-major, entry (i, j) at 2m + i m + j. Sinkhorn
-    (cfg.mhc_sinkhorn):
-      'liger' (default; the study's default backend, liger_kernel's mHC kernels, which
-          store H_res (out, in) and normalise their rows first, their columns last): here
-          the per-output sums (over i, our columns) first and the per-input sums (over j,
-          our rows) last, so every old stream's weights sum to 1 exactly; a stable softmax
-          for the first step, 1e-6 added to every entry and to every denominator
-          (`ops.sinkhorn` with eps, applied to the transpose);
-      'plain' (its PyTorch backend, hyper_connections.py sinkhorn_log, which stores H_res
-          (in, out)): per-input sums first, per-output sums last, no eps (every new stream
-          a convex combination of the old ones).
-    The two orders reach the same doubly stochastic limit; after 20 rounds they differ by
-    what the rounds leave unconverged. Max |logit change| of 'plain' against 'liger'
-    (tests/test_study_fidelity.py's model: L = 3, d = 32, m = 4; docs/fidelity.md): 6e-7
-    at the gap-8 init (H_res ~ I; the eps alone), 4.6e-4 once every parameter is moved
-    (off-diagonal logits near -8, diagonal ones spread by ~0.3: Sinkhorn on a
-    near-diagonal matrix converges slowly), 3e-6 for the 'uniform' init moved the same
-    way; logits with a spread of tens change H_res by > 1e-3 (the eps floor and the order).
-
-    All routing math (RMS, projection, gates, Sinkhorn, the read and mix) in fp32 with
-    autocast off. Readout (cfg.hc_readout 'auto'): the mean of the streams, then the final
-    RMSNorm, as the study's default (Liger) backend with collapse 'auto' does ('sum' differs
-    from it only through the norm's eps). Init cfg.mhc_init, all with phi = 0, b_post = 0,
-    b_pre = +8 on stream k mod m and -8 elsewhere (k = 2b + j), gates 0.01:
-      'gap8' (default; the study's newest code and its mhc_initialization_test):
-          b_res = 0 on the diagonal, -8 off it;
-      'gap8_diag8' (its earlier code, hyper_connections.py's PyTorch backend): b_res = +8 on
-          the diagonal, -8 off it. H_res is near I either way (entries within 1e-3 of I
-          with 0 / -8 at m = 4, 4e-7 with +8 / -8), but the Sinkhorn gradient into the
-          off-diagonal logits is ~3000x larger with 0 / -8 (relative weight e^-8, not e^-16);
-      'uniform': phi ~ N(0, 0.02^2), b = 0 (H_res ~ uniform, H_pre ~ 0.5, H_post ~ 1).
-    So H_pre ~ e_{k mod m}, H_res ~ I, H_post = 1 at the gap-8 inits. Extra parameters per
-    sublayer: (m d + 1)(m^2 + 2m) + 3. Weight decay (the study's hyper_connections_common.py,
-    Liger names b, alpha_*): phi decays; the bias and the three gates are exempt.
-
-    The coefficients are alpha * x' phi + b for every backend of the study: its Liger
-    backend computes mix * alpha + b as here, and its mHC runs with tanh=False (the PyTorch
-    backend's tanh is HC's). Remaining difference from the study's default (Liger)
-    backend: it keeps phi, the other parameters and the streams in bf16 (here fp32 weights,
-    routing in fp32 under bf16 autocast). The eps of RMS(vec H) is cfg.norm_eps (1e-6, the
-    Liger backend's; its PyTorch backend uses 1e-8). convert.py maps Liger's (out, in)
-    phi columns and b onto ours by transposing the H_res block.
+    H_res[i, j] is the weight of old stream i in new stream j, stored (in, out); mat(l_res)
+    and b_res fill it row-major. Sinkhorn order cfg.mhc_sinkhorn: 'liger' (default, the
+    study's backend) or 'plain' (its PyTorch backend), see `sinkhorn`; docs/fidelity.md has
+    how far they differ. Readout 'auto': the mean of the streams, then the final RMSNorm.
+    Init cfg.mhc_init, all with b_pre = +8 on stream k mod m and -8 elsewhere, b_post = 0,
+    gates 0.01: 'gap8' (default, the study's newest code): phi = 0, b_res 0 on the diagonal
+    and -8 off it; 'gap8_diag8' (its earlier code): b_res +8 / -8; 'uniform': phi ~ N(0, 0.02^2),
+    b = 0. Extra parameters per sublayer: (m d + 1)(m^2 + 2m) + 3. Weight decay: phi decays; the
+    bias and the three gates are exempt. The study keeps phi and the streams in bf16; here
+    weights are fp32 and the routing runs in fp32.
     """
 
     default_readout = 'mean'  # the study's Liger backend, collapse 'auto'
+    regions = {'coefficients': []}  # the 20 Sinkhorn rounds: hundreds of tiny ops eagerly
 
     def __init__(self, cfg):
         if cfg.mhc_init not in ('gap8', 'gap8_diag8', 'uniform'):
             raise ValueError(f"mhc_init must be 'gap8', 'gap8_diag8' or 'uniform', got {cfg.mhc_init!r}")
         if cfg.mhc_sinkhorn not in ('liger', 'plain'):
             raise ValueError(f"mhc_sinkhorn must be 'liger' or 'plain', got {cfg.mhc_sinkhorn!r}")
-        check_sinkhorn_iters(cfg.mhc_sinkhorn_iters, 'mhc_sinkhorn_iters')
+        if isinstance(cfg.mhc_sinkhorn_iters, bool) or not isinstance(cfg.mhc_sinkhorn_iters, int) \
+                or cfg.mhc_sinkhorn_iters < 1:
+            raise ValueError(f"mhc_sinkhorn_iters must be an int >= 1, got {cfg.mhc_sinkhorn_iters!r}")
         super().__init__(cfg, MHCRoute)
 
     @torch.no_grad()
@@ -590,150 +650,12 @@ class MHC(MultiStream):
 
     def coefficients(self, H, r):
         B, T, m, d = H.shape
-        with no_autocast(H):
-            x = H.float().reshape(B, T, m * d)                                       # vec(H) per token
-            logits = NormedProjection.apply(x, r.phi.t().float(), self.cfg.norm_eps)  # x' phi (m^2 + 2m, B, T)
-            gate = torch.cat([r.alpha_pre.expand(m), r.alpha_post.expand(m), r.alpha_res.expand(m * m)])
-            logits = logits * gate.float().view(-1, 1, 1) + r.bias.float().view(-1, 1, 1)   # alpha x' phi + b
-            pre, post, res = logits.split([m, m, m * m])
-            res, iters = res.view(m, m, B, T), self.cfg.mhc_sinkhorn_iters            # (in, out, B, T)
-            if self.cfg.mhc_sinkhorn == 'liger':  # on the (out, in) transpose: per-output sums first
-                H_res = sinkhorn_leading(res.transpose(0, 1), iters, LIGER_SINKHORN_EPS).transpose(0, 1)
-            else:                                 # per-input sums first, per-output sums last
-                H_res = sinkhorn_leading(res, iters)                                  # (m, m, B, T)
-            C = torch.cat([torch.sigmoid(pre).unsqueeze(1), H_res], dim=1)          # (m, m+1, B, T): [H_pre | H_res]
-        return C.permute(2, 3, 0, 1), 2 * torch.sigmoid(post).permute(1, 2, 0)    # (B, T, m, m+1), (B, T, m) fp32
-
-
-# ---- Block AttnRes -----------------------------------------------------------
-
-class BlockState(NamedTuple):
-    """State of Block AttnRes between blocks (never modified in place)."""
-    sources: tuple            # v_0 = embedding, then the frozen block sums, each (B, T, d)
-    inv_rmses: tuple          # their 1/rms (B, T, 1), computed once per source
-    partial: torch.Tensor | None  # running sum of the current AttnRes block's outputs (None: empty)
-    k: int                    # 0-based index of the next sublayer, the one that reads `mix`
-    mix: torch.Tensor         # the raw depth mix sublayer k reads (B, T, d)
-    boundary: bool            # whether that read is at an AttnRes-block boundary
-    route: torch.Tensor | None = None  # under torch.compile: the route of the frozen sources' gradients
-
-
-class BlockAttnRes(AttnRes):
-    """Block Attention Residuals (arXiv 2603.15031; paper Table 1, Appendix A).
-
-    As Full AttnRes (same parameters: a zero-init pseudo-query and a key-norm gain per
-    read, same `depth_mix`), but the sources are block sums. The 2L sublayers form
-    cfg.attnres_blocks AttnRes blocks of S = 2L / attnres_blocks sublayers. At sublayer k
-    with k % S == 0 and k > 0 the running partial sum P (every output added since the last
-    boundary) is frozen as a new source before sublayer k's input is computed; sublayer
-    k's own output then starts the next partial sum. Sublayer k reads
-
-        z_k = sum_i a_ki v_i over v in [embedding, frozen block sums..., P if non-empty],
-        f_k = F_k(RMSNorm_pre,k(z_k)),   P <- P + f_k
-
-    and the final aggregator reads the same way at k = 2L (always a boundary). S = 1 is
-    exactly Full AttnRes. With fewer sublayers than attnres_blocks (2L < attnres_blocks,
-    tiny test models) every sublayer is its own block (S = 1); otherwise 2L must be a
-    multiple of attnres_blocks. Partial sums accumulate in the embedding's dtype (fp32
-    under autocast, as Pre-LN's residual stream).
-
-    Boundaries are positions in the run: k counts the sublayers of the blocks run or
-    skipped so far, so a swapped block uses the boundaries of the place it runs in (the
-    architecture stays fixed: docs/probes.md, swap rule) and a dropped block shifts later positions.
-
-    probe z_l (docs/probes.md, depth states): the raw mix of block l's attention read when that read is
-    a boundary, else the running partial sum (the plain block output; the mix if the
-    partial sum is empty, which only a skip can cause). lens: the raw mix of block l's
-    attention read, for every block (docs/probes.md, lens states). Trace per read: `weights`
-    (n_sources, B, T) and `current` (index of P among the sources, -1 if not among them).
-
-    Skip (docs/probes.md, skip rule, adapted): the skipped block adds nothing and passes P through;
-    the boundaries inside it still freeze P. If the next read is a boundary it becomes
-    the identity on the newest source (the next-output rule); otherwise it is the usual
-    mix (with the skipped block's output-side mixer, which in the study's layout is the
-    next block's input mixer) over the unchanged sources. With S = 1 this is Full
-    AttnRes's skip rule exactly.
-    """
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        n_sub = 2 * cfg.n_layer
-        if cfg.attnres_blocks < 1:
-            raise ValueError(f"attnres_blocks must be >= 1, got {cfg.attnres_blocks}")
-        n_blocks = min(cfg.attnres_blocks, n_sub)
-        if n_sub % n_blocks:
-            raise ValueError(f"Block AttnRes needs 2*n_layer = {n_sub} sublayers divisible by "
-                             f"attnres_blocks = {cfg.attnres_blocks}: choose attnres_blocks among "
-                             f"{[n for n in range(1, n_sub + 1) if n_sub % n == 0]}")
-        self.group_size = n_sub // n_blocks  # S, sublayers per AttnRes block
-
-    def route_slots(self):
-        return 2 * self.cfg.n_layer // self.group_size + 1  # the embedding and the frozen block sums
-
-    def freeze(self, sources, inv_rmses, partial, route):
-        """Appends the partial sum (if any) to the sources as a frozen block (and to the route)."""
-        if partial is None:
-            return sources, inv_rmses, route
-        return self.add_source(sources, inv_rmses, route, partial)
-
-    def read(self, sources, inv_rmses, partial, route, k, mixer, b, j):
-        """The input of sublayer k (recorded as block b, sublayer j): freezes P at a
-        boundary, then mixes the embedding, the frozen blocks and P (if non-empty).
-        Returns (sources, inv_rmses, partial, route, z (B, T, d), boundary)."""
-        boundary = k % self.group_size == 0
-        if boundary:
-            sources, inv_rmses, route = self.freeze(sources, inv_rmses, partial, route)
-            partial = None
-        if partial is None:
-            z, a, route = mixer(sources, inv_rmses, route)
-            current = -1
-        else:  # P is not on the route: it changes at every sublayer, and is read once
-            z, a, route = mixer(sources + (partial,), inv_rmses + (inv_rms(partial, self.cfg.attnres_eps),),
-                                route, len(sources))
-            current = len(sources)
-        if self.tape is not None:
-            self.record(b, j, weights=a, current=torch.tensor(current))
-        return sources, inv_rmses, partial, route, z, boundary
-
-    def accumulate(self, sources, partial, f):
-        return f.to(sources[0].dtype) if partial is None else partial + f
-
-    def begin(self, x):
-        sources, inv_rmses, route = self.add_source((), (), open_route(x, self.route_slots(), x.size(-1) + 1, eager=True), x)
-        return BlockState(sources, inv_rmses, None, 0, x, True, route)
-
-    def block(self, state, b, layer, rope):
-        sources, inv_rmses, partial, k, mix, _, route = state
-        p = self.layers[b]
-        x = self.attn_input(p, mix, len(sources) == 1 and partial is None)
-        partial = self.accumulate(sources, partial, layer.attn(x, rope))
-        sources, inv_rmses, partial, route, z, _ = self.read(sources, inv_rmses, partial, route, k + 1, p.mlp_mix, b, 1)
-        partial = self.accumulate(sources, partial, layer.mlp(rms_norm_eps(z, p.mlp_norm, self.cfg.attnres_eps)))
-        # the read of the next block's attention, or the final aggregator (recorded as block b+1)
-        sources, inv_rmses, partial, route, mix, boundary = self.read(sources, inv_rmses, partial, route, k + 2,
-                                                                      p.out_mix, b + 1, 0)
-        return BlockState(sources, inv_rmses, partial, k + 2, mix, boundary, route)
-
-    def skip(self, state, b):
-        sources, inv_rmses, partial, k, _, _, route = state
-        if (k + 1) % self.group_size == 0:  # a boundary at the skipped MLP's position still freezes P
-            sources, inv_rmses, route = self.freeze(sources, inv_rmses, partial, route)
-            partial = None
-        if (k + 2) % self.group_size == 0:  # next-output rule: identity on the newest source
-            sources, inv_rmses, route = self.freeze(sources, inv_rmses, partial, route)
-            return BlockState(sources, inv_rmses, None, k + 2, sources[-1], True, route)
-        sources, inv_rmses, partial, route, mix, boundary = self.read(sources, inv_rmses, partial, route, k + 2,
-                                                                      self.layers[b].out_mix, b + 1, 0)
-        return BlockState(sources, inv_rmses, partial, k + 2, mix, boundary, route)
-
-    def end(self, state):
-        return state.mix
-
-    def probe(self, state):
-        return state.mix if state.boundary or state.partial is None else state.partial
-
-    def lens(self, state):
-        return state.mix
+        x = F.rms_norm(H.reshape(B, T, m * d), (m * d,), eps=self.cfg.norm_eps)   # x' = RMS(vec H)
+        logits = x @ r.phi                                                        # (B, T, m^2 + 2m)
+        gate = torch.cat([r.alpha_pre.expand(m), r.alpha_post.expand(m), r.alpha_res.expand(m * m)])
+        pre, post, res = (logits * gate + r.bias).split([m, m, m * m], dim=-1)   # alpha x' phi + b
+        H_res = sinkhorn(res.view(B, T, m, m), self.cfg.mhc_sinkhorn_iters, self.cfg.mhc_sinkhorn)
+        return torch.sigmoid(pre), H_res, 2 * torch.sigmoid(post)
 
 
 # ---- single-stream schemes ---------------------------------------------------
@@ -778,6 +700,8 @@ class Sandwich(SingleStream):
 
     One extra RMSNorm (gain 1) on every sublayer's output and none on the embedding:
     +2Ld parameters over Pre-LN."""
+
+    unit_paths = True  # the sublayer's output, RMSNorm_out(F), is added with weight 1
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -973,11 +897,6 @@ class ResiDual(SingleStream):
 
 # ---- MoDA --------------------------------------------------------------------
 
-def put_slot(slots, i, t):
-    """A copy of the tuple `slots` with slot i replaced by t (the cache is never mutated)."""
-    return slots[:i] + (t,) + slots[i + 1:]
-
-
 class MoDALayer(PreNormLayer):
     """Block b of MoDA: the two pre-norms and, on blocks 0..L-2, depth_kv = W_kv
     (d -> 2 * H_kv * hd, no bias), which writes [K; V] of the block's FFN input into the
@@ -996,28 +915,22 @@ class MoDA(Residual):
         h <- h + Attn_depth(RMSNorm(h)),   h <- h + MLP(RMSNorm(h)),
 
     where the attention of the block at position p also attends, in the same softmax, to
-    the 2p depth slots of the same token (`depth_attention`), both score sets scaled by
-    1/sqrt(hd). A per-token depth cache of 2L slots, zero-filled when created:
+    the 2p depth slots of the same token (`attention`), both score sets scaled by 1/sqrt(hd).
+    A per-token depth cache of 2L slots (B, H_kv, T, hd), zero-filled when created:
       slot 2p   = the block's own attention key and value, W_k x and W_v x (before RoPE);
-      slot 2p+1 = W_kv RMSNorm(h), the block's FFN input (the mlp_norm output) through
-                  depth_kv, on blocks 0..L-2. Extra parameters (L - 1) * 2d * H_kv * hd.
-    The block at position 0 has no depth slots to read: plain causal attention.
-    Slots are positional (p = blocks run or skipped so far; p = b in the default order),
-    as in the study where swaps exchange weights and positions stay. Block L-1 has no
-    W_kv: if an order runs it before the end, its FFN slot stays zero.
+      slot 2p+1 = W_kv RMSNorm(h), the block's FFN input through depth_kv, on blocks 0..L-2.
+    Extra parameters (L - 1) * 2d * H_kv * hd. Position 0 reads no depth slots: plain causal
+    attention. Slots are positional (p = blocks run or skipped so far), as in the study,
+    where swaps exchange weights and positions stay.
 
-    State (h, depth K, depth V, p, route): the depth cache, K and V, is a tuple of 2L slots
-    (B, H_kv, T, hd) allocated once as one shared zero tensor; a write replaces a slot's
-    reference (no copy, no per-block concatenation) and never modifies a tensor in place, so
-    prefix states can be reused and autograd's saved slots stay valid. A read loops over
-    the slots (`ops.DepthReadFunction`); under torch.compile it is one opaque op and the
-    slots' gradients come back along `route` (ops.open_route: slot j's [K_j, V_j] on route
-    slot j; None in eager). probe = lens = h (docs/probes.md, depth states).
-    Skip rule (docs/probes.md): a skipped block leaves h unchanged and writes nothing into
-    its two slots, which stay zero and still take softmax mass exp(q . 0) = 1 with a zero
-    value (a skipped block differs from a dropped one, which takes no slots).
-    use_depth=False (constructor argument or attribute) masks out every depth score:
-    the model is then Pre-LN with unused W_kv (equivalence tests, ablations)."""
+    State (h, depth K, depth V, p); K and V are tuples of 2L slots, a write replaces a
+    slot's reference (never in place). probe = lens = h. Skip rule (docs/probes.md): a
+    skipped block leaves h unchanged and writes nothing into its two slots, which stay zero
+    and still take softmax mass exp(q . 0) = 1 with a zero value. use_depth=False masks out
+    every depth score: the model is then Pre-LN with unused W_kv (equivalence tests, ablations)."""
+
+    unit_paths = True  # Pre-LN's adds: the depth attention is inside the attention branch
+    regions = {'attention': [(3, 3), (4, 3)]}  # depth_k, depth_v (B, H_kv, T, S, hd): S grows
 
     def __init__(self, cfg, use_depth=True):
         super().__init__(cfg)
@@ -1032,44 +945,60 @@ class MoDA(Residual):
             if p.depth_kv is not None:  # like every backbone Linear
                 nn.init.trunc_normal_(p.depth_kv.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def route_bytes_per_token(self, compiled=True):
-        cfg = self.cfg  # 2L slots of [K_j, V_j], (H_kv, 2 hd) per token, fp32; only under torch.compile
-        return 0 if not compiled else 2 * cfg.n_layer * cfg.n_kv_head * 2 * (cfg.n_embd // cfg.n_head) * 4
+    def attention(self, q, k, v, depth_k, depth_v):
+        """One softmax over the causal sequence keys and the S depth keys of the same token:
+            a_t = softmax([q_t . k_s, s <= t | q_t . K_depth[t, j], j < S] / sqrt(hd)),
+            y_t = sum_s a_ts v_s + sum_j a_tj V_depth[t, j].
+        q (B, H, T, hd) and k (B, H_kv, T, hd) after RoPE, v (B, H_kv, T, hd), depth_k and
+        depth_v (B, H_kv, T, S, hd), S >= 1; query head i reads key/value head i // (H / H_kv).
+        Returns y (B, H, T, hd). The scores are an explicit (T + S)-column matrix per query."""
+        B, H, T, hd = q.shape
+        Hkv = k.size(1)
+        q = q.view(B, Hkv, H // Hkv, T, hd) * hd ** -0.5                         # (B, H_kv, G, T, hd)
+        seq = q @ k.unsqueeze(2).transpose(-1, -2)                                # (B, H_kv, G, T, T)
+        seq = seq.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float('-inf'))
+        dep = torch.einsum('bkgtd,bktsd->bkgts', q, depth_k)                     # (B, H_kv, G, T, S)
+        scores = torch.cat((seq, dep), dim=-1)                                    # (B, H_kv, G, T, T + S)
+        a = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype)
+        a_seq, a_dep = a.split([T, dep.size(-1)], dim=-1)
+        y = a_seq.contiguous() @ v.unsqueeze(2) + torch.einsum('bkgts,bktsd->bkgtd', a_dep, depth_v)
+        return y.reshape(B, H, T, hd)
 
     def begin(self, x):
         cfg = self.cfg
         B, T, _ = x.shape
         zero = x.new_zeros(B, cfg.n_kv_head, T, cfg.n_embd // cfg.n_head)  # (B, H_kv, T, hd)
         slots = (zero,) * (2 * cfg.n_layer)
-        return x, slots, slots, 0, open_route(zero, 2 * cfg.n_layer, 2 * zero.size(-1))
+        return x, slots, slots, 0
 
-    def _next(self, state):
-        h, K, V, p, route = state
+    def block(self, state, b, layer, rope):
+        h, K, V, p = state
         if 2 * p + 2 > len(K):
             raise ValueError(f"MoDA's depth cache has {len(K)} slots: an order may run or skip "
                              f"at most n_layer={self.cfg.n_layer} blocks")
-        return h, K, V, p, route
-
-    def block(self, state, b, layer, rope):
-        h, K, V, p, route = self._next(state)
         B, T, _ = h.shape
-        cfg, attn, prm = self.cfg, layer.attn, self.layers[b]
+        attn, prm = layer.attn, self.layers[b]
         q, k, v = attn.qkv(prm.attn_norm(h))  # (B, H, T, hd), (B, H_kv, T, hd) x2, before RoPE
+        qr, kr = attn.rotate(q, rope), attn.rotate(k, rope)
         S = 2 * p if self.use_depth else 0    # the depth slots this block reads
-        cos, sin = rope
-        args = (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, K[:S], V[:S])
-        y, route = (depth_attention(*args), None) if route is None else depth_attention(*args, route=route)
+        if S == 0:
+            y = F.scaled_dot_product_attention(qr, kr, v, is_causal=True, enable_gqa=kr.size(1) != qr.size(1))
+        else:
+            y = self.attention(qr, kr, v, torch.stack(K[:S], dim=3), torch.stack(V[:S], dim=3))
         h = h + attn.out(y)
-        K, V, route = put_slot(K, 2 * p, k), put_slot(V, 2 * p, v), route_write(route, 2 * p, k, v)
+        K, V = put_slot(K, 2 * p, k), put_slot(V, 2 * p, v)
         x = prm.mlp_norm(h)
         if prm.depth_kv is not None:
-            dk, dv = prm.depth_kv(x).view(B, T, 2, cfg.n_kv_head, -1).permute(2, 0, 3, 1, 4)  # 2x (B, H_kv, T, hd)
-            K, V, route = put_slot(K, 2 * p + 1, dk), put_slot(V, 2 * p + 1, dv), route_write(route, 2 * p + 1, dk, dv)
-        return h + layer.mlp(x), K, V, p + 1, route
+            dk, dv = prm.depth_kv(x).view(B, T, 2, K[0].size(1), -1).permute(2, 0, 3, 1, 4)  # 2x (B, H_kv, T, hd)
+            K, V = put_slot(K, 2 * p + 1, dk), put_slot(V, 2 * p + 1, dv)
+        return h + layer.mlp(x), K, V, p + 1
 
     def skip(self, state, b):
-        h, K, V, p, route = self._next(state)
-        return h, K, V, p + 1, route
+        h, K, V, p = state
+        if 2 * p + 2 > len(K):
+            raise ValueError(f"MoDA's depth cache has {len(K)} slots: an order may run or skip "
+                             f"at most n_layer={self.cfg.n_layer} blocks")
+        return h, K, V, p + 1
 
     def end(self, state):
         return state[0]
@@ -1079,6 +1008,11 @@ class MoDA(Residual):
 
     def lens(self, state):
         return state[0]
+
+
+def put_slot(slots, i, t):
+    """A copy of the tuple `slots` with slot i replaced by t (the cache is never mutated)."""
+    return slots[:i] + (t,) + slots[i + 1:]
 
 
 # -----------------------------------------------------------------------------

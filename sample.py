@@ -107,7 +107,7 @@ def main(argv):
 
     # the model and its tokenizer (probe.py's loader: the same checks, the same messages)
     from probe import load_model, tokenizer_name_for
-    from tokenizer import get_tokenizer
+    from data.tokenizer import get_tokenizer
     dev = g['device']
     if dev.startswith('cuda') and not torch.cuda.is_available():
         raise SystemExit(f"error: device={dev!r} but CUDA is not available here: use --device=cpu")

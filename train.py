@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import fast as fastpath
 from configurator import ConfigError, comments_from_source, configure
 from model import GPT, GPTConfig, estimate_mfu
 from residuals import RESIDUALS
@@ -98,7 +99,8 @@ min_lr_frac = 0.1
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', 'mps'; default: cuda if present
 dtype = None  # None = bfloat16 autocast on CUDA, float32 elsewhere; 'float32', or 'bfloat16'/'float16' (CUDA only)
-compile = None  # torch.compile the model; None = on for CUDA, off elsewhere
+compile = None  # torch.compile each block's branches and the scheme's regions; None = on for CUDA, off elsewhere
+fast = 'auto'  # fast paths (fast/): 'auto' = on for CUDA, off on the CPU; True; False = only residuals.py's plain code
 fsdp = False  # shard parameters with FSDP2 (fully_shard) instead of DDP under torchrun
 backend = None  # torch.distributed backend; None = nccl on CUDA, gloo on CPU
 dist_timeout = 600  # seconds a process waits for its peers in a collective before the job fails
@@ -112,7 +114,7 @@ config_keys = [k for k, v in globals().items() if not k.startswith('_') and isin
 # the types of the keys whose default is None (the others keep their default's type)
 none_default_types = {'stop_iter': int, 'max_iters': int, 'warmup_iters': int, 'n_kv_head': int, 'ffn_hidden': int,
                       'vocab_size': int, 'memory_gib': float, 'learning_rate': float, 'data_dir': str, 'dtype': str,
-                      'compile': bool, 'backend': str, 'wandb_run_name': str}
+                      'compile': bool, 'backend': str, 'wandb_run_name': str, 'fast': (str, bool)}
 try:
     keys_set = configure(globals(), config_keys, sys.argv[1:], help_text=comments_from_source(__file__),
                          none_types=none_default_types)
@@ -371,7 +373,7 @@ if data_dir is None:
     data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
     # the default data of a fresh clone: prepared from the embedded sample when absent (only
     # for data/fineweb_edu[_<tokenizer>]; a data_dir the user names must exist)
-    from tokenizer import TOKENIZERS
+    from data.tokenizer import TOKENIZERS
     _sample_tok = 'gpt2' if dataset == 'fineweb_edu' else dataset.removeprefix('fineweb_edu_')
     if _sample_tok in TOKENIZERS and not all(os.path.exists(os.path.join(data_dir, f)) for f in ('train.bin', 'val.bin')):
         if master:
@@ -461,8 +463,13 @@ if checkpoint is not None:
         fail(f"the weights in {ckpt_path} do not fit its model_args (residual={model_args['residual']!r}, "
              f"n_layer={model_args['n_layer']}): {str(e).splitlines()[0][:200]}; restore a good copy")
 model.to(device)
-raw_model = model  # the uncompiled, unwrapped module: what checkpoints and probes see
+raw_model = model  # the unwrapped module: what checkpoints and probes see
 n_params = model.num_params()
+try:  # the fast paths that apply (fast/), each checked against residuals.py on a tiny twin first
+    fast_paths = fastpath.setup(raw_model, fast, device)
+except (ValueError, fastpath.FastPathMismatch) as e:
+    fail(str(e))
+print0(fastpath.describe(fast_paths))
 
 if auto_batch or device_type == 'cuda':  # the predicted peak memory, and the micro-batch that fits it
     import cost
@@ -560,8 +567,8 @@ if checkpoint is not None:
 resumed_at = iter_num if init_from == 'resume' and evaluated else None
 
 if compile:
-    print0("compiling the model (a minute or more; HC/mHC several on a CPU)...")
-    model = torch.compile(model)
+    print0("compiling each block's branches and the scheme's regions on first use (seconds to a minute)...")
+    raw_model.compile_regions()
 if ddp and not fsdp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 

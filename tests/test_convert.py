@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import convert  # noqa: E402
+from tools import convert  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 # our scheme -> (study block config, hc backend)
@@ -317,7 +317,7 @@ def test_tokenizer_json_round_trips_through_prepare(tmp_path):
     pytest.importorskip('tokenizers')
     import numpy as np
     from data.fineweb_edu import prepare
-    from tokenizer import get_tokenizer
+    from data.tokenizer import get_tokenizer
     path = make_tokenizer(tmp_path / 'tok' / 'tokenizer.json')
     docs = [f"the depth of document {i}, hello world" for i in range(40)]
     src = tmp_path / 'docs.jsonl'

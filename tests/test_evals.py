@@ -24,7 +24,7 @@ import torch.nn as nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import evals  # noqa: E402
+from probes import evals  # noqa: E402
 
 SHARED_DATA = REPO.parent / 'shared' / 'data'
 PREPARE_PY = REPO / 'data' / 'evals' / 'prepare.py'

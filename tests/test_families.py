@@ -16,8 +16,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import families  # noqa: E402
-from families import backbone_params, param_count_preln, runs  # noqa: E402
+from study import families  # noqa: E402
+from study.families import backbone_params, param_count_preln, runs  # noqa: E402
 
 # train.py's config keys (the documented contract); the test also checks them against
 # train.py itself when it is there

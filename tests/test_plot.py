@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import plot  # noqa: E402
+from tools import plot  # noqa: E402
 
 
 def write_run(path, n_layer=3, steps=(10, 20, 30, 40), scale=1.0, cut_off=True):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / 'shared' / 'data'
 PREPARE = ROOT / 'data' / 'fineweb_edu' / 'prepare.py'
 sys.path.insert(0, str(ROOT))
-from tokenizer import get_tokenizer  # noqa: E402
+from data.tokenizer import get_tokenizer  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location('fineweb_prepare', PREPARE)
 prepare = importlib.util.module_from_spec(_spec)
@@ -371,7 +371,7 @@ def test_killed_mid_run_removes_its_temp_files(tmp_path, sig):
 import os, runpy, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {str(ROOT)!r})
-import tokenizer
+from data import tokenizer
 _get = tokenizer.get_tokenizer
 def _get_and_die(name):
     tok = _get(name)

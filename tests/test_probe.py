@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import probe  # noqa: E402
 import residuals  # noqa: E402
 from model import GPT, GPTConfig, RMSNorm  # noqa: E402
-from tokenizer import get_tokenizer  # noqa: E402
+from data.tokenizer import get_tokenizer  # noqa: E402
 
 V, T = 64, 12
 
@@ -412,7 +412,7 @@ def expected_arc(model, enc, items, skip=()):
 
 
 def test_prune_scan_scores_the_arc_fixture_and_a_dead_block_changes_nothing(tmp_path):
-    import evals
+    from probes import evals
     write_arc(tmp_path)
     items = evals.load_task('arc_easy', tmp_path)
     enc = get_tokenizer('byte')
@@ -522,7 +522,7 @@ def test_cli_end_to_end_writes_json_and_figures(tmp_path, capsys):
 
 
 def test_late_pairs_figure_labels_a_missing_ratio_na_not_zero():
-    import probe_plots
+    from probes import plots as probe_plots
     r = {'label': 'a', 'late_pairs': {'R_causal': 0.25, 'R_perm': None, 'causal_threshold': 0.1,
                                       'perm_threshold': 0.1, 'start': 2, 'n_pairs': 3}}
     fig = probe_plots.plot_late_pairs([r])
@@ -593,7 +593,7 @@ def test_bench_probe_runs_and_reports_identical_scores(capsys):
 
 
 def test_figures_for_block_weights_and_domain_nll_from_results(tmp_path):
-    import probe_plots
+    from probes import plots as probe_plots
     bw = {'current': [np.nan, 0.05, np.nan, 0.4, 0.6], 'embedding': [1.0, 0.9, 0.5, 0.3, 0.2],
           'frozen': [0.0, 0.05, 0.5, 0.3, 0.2], 'boundaries': [0, 2], 'dead_sublayers': 1, 'dead_threshold': 0.1}
     nll = {'categories': {'coding': {'nll': 1.2}, 'stem': {'nll': None}, 'math': {'nll': 0.9}}}

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import probe  # noqa: E402
-import probe_analysis as pa  # noqa: E402
+from probes import analysis as pa  # noqa: E402
 import residuals  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 import test_probe  # noqa: E402  (the tiny-model helpers the probe tests share)
@@ -55,8 +55,8 @@ def test_set_probe_round_trip_every_scheme(scheme):
     res = model.residual
     states = probe.clean_states(model, windows(2))
     for st in states:
-        z = torch.randn_like(probe._flat(res.probe(st)))
-        assert torch.equal(probe._flat(res.probe(pa.set_probe(res, st, z))), z)
+        z = torch.randn_like(probe.flat(res.probe(st)))
+        assert torch.equal(probe.flat(res.probe(pa.set_probe(res, st, z))), z)
 
 
 def test_residual_without_slot_is_refused():
@@ -73,9 +73,9 @@ def _brute_mean_jacobian(model, idx, b):
     (B, T, D) -> (B, T, D) map."""
     res = model.residual
     st = probe.clean_states(model, idx)[b]
-    z0 = probe._flat(res.probe(st)).detach()
+    z0 = probe.flat(res.probe(st)).detach()
     rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
-    f = lambda z: probe._flat(res.probe(res.block(pa.set_probe(res, st, z), b, model.blocks[b], rope)))
+    f = lambda z: probe.flat(res.probe(res.block(pa.set_probe(res, st, z), b, model.blocks[b], rope)))
     J = torch.autograd.functional.jacobian(f, z0)  # (B, T, D, B, T, D)
     B, Tn, D = z0.shape
     return J.reshape(B * Tn, D, B * Tn, D).sum((0, 2)).double() / (B * Tn)  # (D_out, D_in)
@@ -185,7 +185,7 @@ def test_token_collapse_matches_per_window_svd():
     rec = []
     model.hidden(w, record=rec)
     for l, (z, _) in enumerate(rec):
-        Z = probe._flat(z)
+        Z = probe.flat(z)
         want = np.mean([pa.sval_metrics(Z[i])['erank'].item() for i in range(3)])
         assert r['erank'][l] == pytest.approx(want)
     assert r['max_rank'] == min(T, 4 * 16) and len(r['stable_rank']) == 4

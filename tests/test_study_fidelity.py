@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT, GPTConfig  # noqa: E402
-from ops import sinkhorn  # noqa: E402
+from residuals import sinkhorn  # noqa: E402
 
 TEN = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'attnres', 'blockattnres', 'moda')
 V, L, D, H, M = 64, 3, 32, 2, 4      # vocab, blocks, width, heads, HC/mHC streams
@@ -433,15 +433,14 @@ def test_mhc_h_res_is_liger_kernel_s_on_wide_logits():
     W = study_weights(model)
     for b in range(L):
         for side, conn in (('attn', 'attention_hyper_connection'), ('mlp', 'feed_forward_hyper_connection')):
-            C, _ = model.residual.coefficients(H, getattr(model.residual.layers[b], f'{side}_route'))
-            ours = C[..., 1:]                                                      # (B, T, in, out)
+            _, ours, _ = model.residual.coefficients(H, getattr(model.residual.layers[b], f'{side}_route'))  # (B, T, in, out)
             w = lambda n: W[f'blocks.{b}.{conn}.{n}']  # noqa: E731
             flat = H.reshape(2, 5, -1)
             mix = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6) @ w('phi')
             z = (mix[..., 2 * M:] * w('alpha_res') + w('b')[2 * M:]).view(2, 5, M, M)  # (out, in)
             want = Study.liger_sinkhorn(z).transpose(-1, -2)
             assert (ours - want).abs().max().item() <= 1e-5  # fp32 rounding of logits of size ~30
-            no_eps = sinkhorn(z, 20).transpose(-1, -2)                # Liger's order, no eps (log-domain first round)
+            no_eps = sinkhorn(z.transpose(-1, -2), 20, 'liger', eps=0.0)  # Liger's order, no eps
             assert (ours - no_eps).abs().max().item() > 1e-3
             assert (ours - Study.sinkhorn_log(z.transpose(-1, -2))).abs().max().item() > 1e-3
 

@@ -17,8 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import families  # noqa: E402
-import sweep  # noqa: E402
+from study import families, sweep  # noqa: E402
 
 
 def _write_summary(root, out_dir, val_loss, n_params=None, finished=True):

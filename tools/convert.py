@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+import sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ A run that is the same training run as one of the main family (same scheme and
 shape; e.g. fixed_backbone L=24 is main's L=24, d=1024) gets its own config file in
 its family's folder but shares main's out_dir, so a sweep trains it once.
 
-    from families import runs
+    from study.families import runs
     for run in runs('main', schemes=['preln', 'attnres']):
         print(run.name, run.config_path, run.out_dir, run.config['n_embd'])
 """
@@ -30,9 +30,10 @@ its family's folder but shares main's out_dir, so a sweep trains it once.
 import math
 import os
 import sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
 from dataclasses import dataclass, field
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root: config/, out/
 VOCAB_SIZE = 50280  # GPT-2 BPE (50257) padded to the study's 50280 entries (paper Sec. 2.2)
 BYTE_VOCAB_SIZE = 257  # 'fineweb_edu_byte': 256 bytes + an end-of-text token
 

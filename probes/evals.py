@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-EVAL_DIR = Path(__file__).resolve().parent / 'data' / 'evals'
+EVAL_DIR = Path(__file__).resolve().parents[1] / 'data' / 'evals'
 TASKS = ['arc_easy', 'sciq', 'gpqa', 'gsm8k', 'math500', 'mbpp', 'humaneval']
 CATEGORIES = {'coding': ['mbpp', 'humaneval'], 'stem': ['sciq', 'gpqa'], 'math': ['gsm8k', 'math500']}
 NLL_TASKS = [t for names in CATEGORIES.values() for t in names]
@@ -250,7 +250,7 @@ def main(argv=None):
     parser.add_argument('--tokenizer', default='gpt2', help="gpt2, byte or path/to/tokenizer.json (tokenizer.get_tokenizer)")
     parser.add_argument('--eval_dir', default=str(EVAL_DIR))
     args = parser.parse_args(argv)
-    from tokenizer import get_tokenizer
+    from data.tokenizer import get_tokenizer
     try:
         enc = get_tokenizer(args.tokenizer)
         found = False

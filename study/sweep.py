@@ -59,7 +59,8 @@ import subprocess
 import sys
 import textwrap
 
-import families
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
+from study import families
 
 ROOT = families.ROOT
 OPTIONS = {  # option -> (default, help)

@@ -22,6 +22,9 @@ import time
 import numpy as np
 import torch
 
+import os
+import sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
 import probe
 from model import GPT, GPTConfig
 

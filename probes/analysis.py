@@ -23,6 +23,8 @@ import math
 import numpy as np
 import torch
 
+from probes.runs import PrefixRunner, batches, ce_sum, clean_states, flat, run_from
+
 JACOBIAN_PROBES = 16          # random probe vectors per block (0 = exact, D probes)
 USEFULNESS_THRESHOLD = 0.10   # a block is significant when its linear stand-in raises the loss by > 10%
 
@@ -123,18 +125,17 @@ def jacobian_deviation(model, windows, batch_size=4, n_probes=JACOBIAN_PROBES, s
     method; n_probes = 0 uses the D basis vectors and is exact (se 0).
     windows: (N_w, T) int64. Returns {'deviation': [L], 'se': [L], 'n_probes', 'exact', 'dim',
     'n_tokens'}. Raises ValueError for a scheme without a depth-state slot (set_probe)."""
-    import probe  # noqa: PLC0415 (probe.py imports this file)
     model.eval()
     if not _supported(model):
         raise ValueError(f"jacobian: {model.config.residual!r} computes its depth state from several streams")
     L, res, dev = model.config.n_layer, model.residual, next(model.parameters()).device
     S, V, N = None, None, 0
-    for idx in probe.batches(windows, batch_size, dev, 'jacobian', progress):
+    for idx in batches(windows, batch_size, dev, 'jacobian', progress):
         rope = _rope(model, idx.size(1))
         with torch.no_grad():
-            states = probe.clean_states(model, idx)
+            states = clean_states(model, idx)
         if V is None:
-            D = probe._flat(res.probe(states[0])).size(-1)
+            D = flat(res.probe(states[0])).size(-1)
             if n_probes:
                 g = torch.Generator().manual_seed(seed)
                 V = (torch.randint(0, 2, (n_probes, D), generator=g) * 2 - 1).double()
@@ -143,8 +144,8 @@ def jacobian_deviation(model, windows, batch_size=4, n_probes=JACOBIAN_PROBES, s
             S = torch.zeros(L, len(V), D, dtype=torch.float64)
         for b in range(L):
             with torch.enable_grad():
-                z = probe._flat(res.probe(states[b])).detach().float().requires_grad_(True)  # (B, T, D)
-                out = probe._flat(res.probe(res.block(set_probe(res, states[b], z), b, model.blocks[b], rope)))
+                z = flat(res.probe(states[b])).detach().float().requires_grad_(True)  # (B, T, D)
+                out = flat(res.probe(res.block(set_probe(res, states[b], z), b, model.blocks[b], rope)))
                 for k in range(len(V)):
                     v = V[k].to(out.dtype).to(dev).expand_as(out)
                     (g,) = torch.autograd.grad(out, z, v, retain_graph=k < len(V) - 1)
@@ -181,8 +182,8 @@ def usefulness(model, windows, batch_size=4, threshold=USEFULNESS_THRESHOLD, pro
         raise ValueError(f"usefulness: {model.config.residual!r} computes its depth state from several streams")
     L, res, dev = model.config.n_layer, model.residual, next(model.parameters()).device
     X, Y = [[] for _ in range(L)], [[] for _ in range(L)]
-    for idx in probe.batches(windows, batch_size, dev, 'usefulness (fit)', progress):
-        z = [probe._flat(res.probe(s)).flatten(0, 1).cpu() for s in probe.clean_states(model, idx)]
+    for idx in batches(windows, batch_size, dev, 'usefulness (fit)', progress):
+        z = [flat(res.probe(s)).flatten(0, 1).cpu() for s in clean_states(model, idx)]
         for b in range(L):
             X[b].append(z[b]), Y[b].append(z[b + 1])
     fits, r2 = [], []
@@ -195,17 +196,17 @@ def usefulness(model, windows, batch_size=4, threshold=USEFULNESS_THRESHOLD, pro
         fits.append((W, c))
     X = Y = None
     base, lin, n_pred = 0.0, np.zeros(L), 0
-    for idx in probe.batches(windows, batch_size, dev, 'usefulness (loss)', progress):
+    for idx in batches(windows, batch_size, dev, 'usefulness (loss)', progress):
         T = idx.size(1)
-        states = probe.clean_states(model, idx)
-        base += probe._ce_sum(model.head(res.end(states[-1])), idx)
+        states = clean_states(model, idx)
+        base += ce_sum(model.head(res.end(states[-1])), idx)
         for b in range(L):
             W, c = fits[b]
-            z = probe._flat(res.probe(states[b]))
+            z = flat(res.probe(states[b]))
             zhat = (z.double() @ W.to(z.device) + c.to(z.device)).to(z.dtype)
             st = set_probe(res, res.skip(states[b], b), zhat)
-            h = res.end(probe.run_from(model, st, range(b + 1, L), T))
-            lin[b] += probe._ce_sum(model.head(h), idx)
+            h = res.end(run_from(model, st, range(b + 1, L), T))
+            lin[b] += ce_sum(model.head(h), idx)
         n_pred += idx.size(0) * (T - 1)
     loss, linear_loss = base / n_pred, lin / n_pred
     ratio = linear_loss / loss
@@ -226,10 +227,10 @@ def token_collapse(model, windows, batch_size=4, progress=False):
     import probe  # noqa: PLC0415
     model.eval()
     sums, n, max_rank = None, 0, None
-    for idx in probe.batches(windows, batch_size, next(model.parameters()).device, 'token collapse', progress):
+    for idx in batches(windows, batch_size, next(model.parameters()).device, 'token collapse', progress):
         rec = []
         model.hidden(idx, record=rec)
-        Z = torch.stack([probe._flat(p) for p, _ in rec], 1)  # (B, L+1, T, D)
+        Z = torch.stack([flat(p) for p, _ in rec], 1)  # (B, L+1, T, D)
         m = sval_metrics(Z)
         m = {k: v.sum(0).cpu() for k, v in m.items()}  # (L+1,) summed over the windows
         sums = m if sums is None else {k: sums[k] + m[k] for k in m}
@@ -250,9 +251,9 @@ def prune_lm(model, windows, batch_size=4, progress=False):
     import probe  # noqa: PLC0415
     model.eval()
     L = model.config.n_layer
-    runner = probe.PrefixRunner(model)
+    runner = PrefixRunner(model)
     per_window = []  # (n_windows, L + 1): summed CE of each window, clean then each skip
-    for idx in probe.batches(windows, batch_size, next(model.parameters()).device, 'prune (LM loss)', progress):
+    for idx in batches(windows, batch_size, next(model.parameters()).device, 'prune (LM loss)', progress):
         rows = []
         for skip in [()] + [(b,) for b in range(L)]:
             logits = runner.logits(idx, skip=skip)[:, :-1].float()

@@ -1,7 +1,7 @@
 """
 The project's tokenizers, behind one small interface:
 
-    from tokenizer import get_tokenizer
+    from data.tokenizer import get_tokenizer
     tok = get_tokenizer('gpt2')          # or 'byte'
     ids = tok.encode("Hello world")      # [15496, 995]
     tok.decode(ids), tok.eot, tok.n_vocab, tok.vocab_size
