@@ -569,21 +569,21 @@ def sinkhorn(logits, iters, order='liger', eps=LIGER_SINKHORN_EPS):
     """Sinkhorn-Knopp: exp(logits) (..., m_in, m_out) -> an approximately doubly stochastic
     P (mHC, arXiv 2512.24880), `iters` rounds of two normalisations.
     order 'liger' (the study's default backend, liger_kernel ops/mhc.py, which stores H_res
-        (out, in)): the sums over inputs (per output) first, over outputs (per input) last,
-        a stable softmax for the first step, eps added to every entry and denominator;
-    order 'plain' (its PyTorch backend's sinkhorn_log): over outputs first, inputs last,
-        no eps; the first round in the log domain, so no sum is ever 0.
-    Raises ValueError for iters < 1 or an unknown order."""
+        (out, in)): the sums over inputs (per output) first, over outputs (per input) last;
+    order 'plain' (its PyTorch backend's sinkhorn_log): over outputs first, inputs last.
+    eps > 0 (liger_kernel's, with order 'liger'): a stable softmax first, then eps added to
+    every entry and every denominator; eps = 0 (the PyTorch backend's): the first round in
+    the log domain, so that no sum is ever 0 whatever the logits' range.
+    Raises ValueError for iters not an int >= 1, an unknown order or eps < 0."""
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"Sinkhorn needs an int number of rounds >= 1, got {iters!r}")
-    if order not in ('liger', 'plain'):
-        raise ValueError(f"Sinkhorn order must be 'liger' or 'plain', got {order!r}")
+    if order not in ('liger', 'plain') or not eps >= 0:
+        raise ValueError(f"Sinkhorn order must be 'liger' or 'plain' and eps >= 0, got {order!r}, {eps!r}")
     first, last = (-2, -1) if order == 'liger' else (-1, -2)
-    if order == 'liger':
+    if eps > 0:
         P = torch.softmax(logits, dim=first) + eps
         P = P / (P.sum(last, keepdim=True) + eps)
     else:
-        eps = 0.0
         P = torch.softmax(torch.log_softmax(logits, dim=first), dim=last)
     for _ in range(iters - 1):
         P = P / (P.sum(first, keepdim=True) + eps)
@@ -654,7 +654,9 @@ class MHC(MultiStream):
         logits = x @ r.phi                                                        # (B, T, m^2 + 2m)
         gate = torch.cat([r.alpha_pre.expand(m), r.alpha_post.expand(m), r.alpha_res.expand(m * m)])
         pre, post, res = (logits * gate + r.bias).split([m, m, m * m], dim=-1)   # alpha x' phi + b
-        H_res = sinkhorn(res.view(B, T, m, m), self.cfg.mhc_sinkhorn_iters, self.cfg.mhc_sinkhorn)
+        order = self.cfg.mhc_sinkhorn                                             # 'liger' with eps, or 'plain'
+        H_res = sinkhorn(res.view(B, T, m, m), self.cfg.mhc_sinkhorn_iters, order,
+                         LIGER_SINKHORN_EPS if order == 'liger' else 0.0)
         return torch.sigmoid(pre), H_res, 2 * torch.sigmoid(post)
 
 

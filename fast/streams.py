@@ -76,14 +76,13 @@ class SinkhornRounds(torch.autograd.Function):
         return g, None, None, None, None
 
 
-def torch_sinkhorn(logits, iters, order, eps=LIGER_SINKHORN_EPS):
+def torch_sinkhorn(logits, iters, order, eps):
     """residuals.sinkhorn with the rounds after the first as `SinkhornRounds`."""
     first, last = (-2, -1) if order == 'liger' else (-1, -2)
-    if order == 'liger':
+    if eps > 0:
         P = torch.softmax(logits, dim=first) + eps
         P = P / (P.sum(last, keepdim=True) + eps)
     else:
-        eps = 0.0
         P = torch.softmax(torch.log_softmax(logits, dim=first), dim=last)
     return P if iters == 1 else SinkhornRounds.apply(P, iters - 1, first, last, eps)
 
@@ -95,7 +94,9 @@ def torch_mhc_coefficients(self, H, r):
     logits = x @ r.phi
     gate = torch.cat([r.alpha_pre.expand(m), r.alpha_post.expand(m), r.alpha_res.expand(m * m)])
     pre, post, res = (logits * gate + r.bias).split([m, m, m * m], dim=-1)
-    H_res = torch_sinkhorn(res.view(B, T, m, m), self.cfg.mhc_sinkhorn_iters, self.cfg.mhc_sinkhorn)
+    order = self.cfg.mhc_sinkhorn
+    H_res = torch_sinkhorn(res.view(B, T, m, m), self.cfg.mhc_sinkhorn_iters, order,
+                           LIGER_SINKHORN_EPS if order == 'liger' else 0.0)
     return torch.sigmoid(pre), H_res, 2 * torch.sigmoid(post)
 
 
