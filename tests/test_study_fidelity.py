@@ -530,7 +530,7 @@ def test_attnres_init_and_eps(scheme):
         if s.endswith('res_norm.weight'):
             assert torch.equal(p, torch.ones_like(p))
     assert model.config.attnres_eps == STUDY_RMS_DEFAULT and model.config.norm_eps == EPS
-    assert all(layer.mlp_mix.eps == STUDY_RMS_DEFAULT for layer in model.residual.layers)
+    assert all(layer.mlp_mix.key_norm.eps == STUDY_RMS_DEFAULT for layer in model.residual.layers)
 
 
 
