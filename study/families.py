@@ -213,20 +213,19 @@ ONEPOINTSIX_SHAPES = ((28, 2048), (40, 1728), (54, 1504))
 # mini-DepthBench: a CPU-sized replica of the fixed-backbone question. The backbone is
 # held at that of L=4, d=128 (803,840 parameters); L in {2, 4, 8} gives d = 176, 128,
 # 96 (d/L = 88, 32, 12, a span like the main family's 76 -> 9); 4 heads everywhere so
-# head_dim = d/4 >= 16. Byte-level text (vocab 257), T = 256, float32 on the CPU.
-# Budget: three seeds of the 9 runs in about an hour on one core of a shared 2-core
-# machine (OMP_NUM_THREADS=1, leaving the other core free), so every run sees
-# MINI_TOKENS_PER_PARAM = 0.5 tokens per backbone parameter (≈0.4M tokens, ≈100 steps of
-# 4,096 tokens), evaluated at the start, half-way and at the end. The arithmetic: preln
-# L=4 trains at ≈15k tokens/s on 2 idle cores (0.27 s per step), ≈1.6x slower on one;
-# relative step costs measured on one thread are preln L=2/4/8 ≈ 0.9/1.0/1.3 and attnres
-# ≈ 1.0/1.45/2.2, hc ≈ 1.3x preln; sum over the 9 runs ≈ 1,200 preln-L4 steps ≈ 9 min
-# per seed on one idle core, plus evaluations and start-up. (A single seed at 2.5 tokens
-# per parameter, ≈500 steps, took about an hour.) Scale MINI_TOKENS_PER_PARAM with your
-# machine.
+# head_dim = d/4 >= 16. Byte-level text (vocab 257) from the embedded sample (data/sample,
+# 2.97M training bytes, so a fresh clone reproduces it), T = 256, float32 on the CPU.
+# Budget: MINI_TOKENS_PER_PARAM = 2.5 tokens per backbone parameter (≈2.1M tokens, ≈520
+# steps of 4,096 tokens, less than one pass over the sample), past the early phase where
+# every deeper shape is simply slower to learn. Five schemes, three shapes, three seeds in
+# about 2.5 hours on 2 cores (docs/mini.md has the timing); fast paths on (the CPU torch
+# forms, checked against residuals.py at every start). Block AttnRes in 4 blocks (the
+# study's 8 blocks hold 4-8 sublayers each; 4 blocks give 2 and 4 sublayers at L = 4, 8),
+# and not at L = 2, where every block would be one sublayer: Full AttnRes itself.
 MINI_DEPTHS = (2, 4, 8)
 MINI_BACKBONE = backbone_params(4, 128, n_head=4)
-MINI_TOKENS_PER_PARAM = 0.5
+MINI_TOKENS_PER_PARAM = 2.5
+MINI_SCHEMES = ('preln', 'attnres', 'blockattnres', 'hc', 'mhc')
 MINI_BATCH = dict(block_size=256, batch_size=16, gradient_accumulation_steps=1)  # 4,096 tokens per step
 
 
@@ -236,7 +235,8 @@ def _mini_shapes():
         d = mini_width(L, MINI_BACKBONE)
         tokens_per_step = MINI_BATCH['block_size'] * MINI_BATCH['batch_size'] * MINI_BATCH['gradient_accumulation_steps']
         max_iters = round(MINI_TOKENS_PER_PARAM * backbone_params(L, d, n_head=4) / tokens_per_step)
-        shapes.append(Shape(L, d, extra=dict(max_iters=max_iters, eval_interval=max_iters // 2)))
+        schemes = MINI_SCHEMES if L >= 4 else tuple(x for x in MINI_SCHEMES if x != 'blockattnres')
+        shapes.append(Shape(L, d, schemes=schemes, extra=dict(max_iters=max_iters, eval_interval=max_iters // 4)))
     return tuple(shapes)
 
 
@@ -267,9 +267,9 @@ FAMILIES = {f.name: f for f in (
            learning_rate=5e-4),
     Family('mini', 'CPU fixed backbone ≈0.8M, byte-level text, T=256, '
                    f'{MINI_TOKENS_PER_PARAM:g} tokens per backbone parameter',
-           shapes=_mini_shapes(),
+           shapes=_mini_shapes(), schemes=MINI_SCHEMES,
            base=dict(dataset='fineweb_edu_byte', **MINI_BATCH, eval_iters=20, log_interval=10,
-                     device='cpu', dtype='float32', compile=False),
+                     attnres_blocks=4, device='cpu', dtype='float32', compile=False, fast=True),
            vocab_size=BYTE_VOCAB_SIZE, n_head=4),
 )}
 
@@ -280,10 +280,10 @@ FAMILIES = {f.name: f for f in (
 CONFIG_SECTIONS = (
     ('I/O', ('out_dir', 'eval_interval', 'eval_iters', 'log_interval')),
     ('data', ('dataset', 'block_size', 'batch_size', 'gradient_accumulation_steps')),
-    ('model', ('residual', 'n_layer', 'n_embd', 'n_head', 'n_kv_head', 'ffn_hidden')),
+    ('model', ('residual', 'n_layer', 'n_embd', 'n_head', 'n_kv_head', 'ffn_hidden', 'attnres_blocks')),
     ('optimizer and schedule', ('learning_rate', 'weight_decay', 'warmup_frac', 'min_lr_frac',
                                 'tokens_per_param', 'max_iters')),
-    ('system', ('device', 'dtype', 'compile')),
+    ('system', ('device', 'dtype', 'compile', 'fast')),
 )
 CONFIG_KEYS = tuple(k for _, keys in CONFIG_SECTIONS for k in keys)
 
@@ -298,6 +298,8 @@ def _make_run(family, shape, scheme):
     cfg.update(residual=scheme, n_layer=shape.L, n_embd=shape.d, n_head=fam.n_head,
                learning_rate=fam.learning_rate or peak_lr(scheme), out_dir=out_dir)
     cfg.update(shape.extra)
+    if scheme != 'blockattnres':
+        cfg.pop('attnres_blocks', None)  # read by Block AttnRes only
     if 'max_iters' in cfg:  # a fixed step count replaces the tokens-per-parameter rule
         del cfg['tokens_per_param']
     unknown = set(cfg) - set(CONFIG_KEYS)

@@ -637,11 +637,29 @@ def main(argv):
         return 130
     if opts['run'] == 'print' and not opts['plot_only']:
         return 0
-    rows = collect(opts['family'], seeds=max(opts['seeds'], (opts['seed'] or 0) + 1))
-    print(format_summary(rows))
-    plot(opts['family'], rows)
-    if opts['probe'] and opts['run'] == 'local':
-        failures += probe_deepest(opts['family'], opts['schemes'], opts['shapes'])
+    n_seeds = max(opts['seeds'], (opts['seed'] or 0) + 1)
+    if opts['family'] == 'mini':  # the mini study: probes of every seed's deepest models, the paper's table
+        from study import mini
+        if opts['probe'] and opts['run'] == 'local':
+            failures += mini.probe_missing(seeds=n_seeds)
+        rows = read_all('mini', seeds=n_seeds)
+        if opts['plot_only'] and not any(r['status'] == 'finished' for r in rows) \
+                and os.path.exists(os.path.join(ROOT, mini.RESULTS)):
+            print(f"no finished run in out/mini: reading the committed {mini.RESULTS}")
+            mini.report(mini._read(os.path.join(ROOT, mini.RESULTS)), os.path.join(ROOT, 'out', 'mini'))
+        else:
+            results = mini.collect(seeds=n_seeds)
+            collect('mini', seeds=n_seeds)
+            os.makedirs(os.path.join(ROOT, 'out', 'mini'), exist_ok=True)
+            with open(os.path.join(ROOT, 'out', 'mini', 'study.json'), 'w') as f:
+                json.dump(results, f, indent=1)
+            mini.report(results, os.path.join(ROOT, 'out', 'mini'))
+    else:
+        rows = collect(opts['family'], seeds=n_seeds)
+        print(format_summary(rows))
+        plot(opts['family'], rows)
+        if opts['probe'] and opts['run'] == 'local':
+            failures += probe_deepest(opts['family'], opts['schemes'], opts['shapes'])
     if failures:
         print(f"{len(failures)} run(s) failed:", file=sys.stderr)
         for name, why in failures:
