@@ -221,21 +221,21 @@ class GPT(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def compile_regions(self):
+    def compile_regions(self, backend='inductor'):
         """torch.compile the block, not the model: every branch (attention, MLP, and the
         attention's projections for schemes that call them) and the scheme's `regions` are
         compiled on their own, each once for all blocks, so compile time does not grow with
         depth. A region that a fast path has replaced (fast/) stays as it is: the kernel is
-        opaque to the compiler. Returns self."""
+        opaque to the compiler. `backend`: torch.compile's (tests use 'aot_eager'). Returns self."""
         for blk in self.blocks:
-            blk.attn.compile()
-            blk.mlp.compile()
-            blk.attn.qkv = torch.compile(blk.attn.qkv)
-            blk.attn.out = torch.compile(blk.attn.out)
+            blk.attn.compile(backend=backend)
+            blk.mlp.compile(backend=backend)
+            blk.attn.qkv = torch.compile(blk.attn.qkv, backend=backend)
+            blk.attn.out = torch.compile(blk.attn.out, backend=backend)
         res = self.residual
         for name, grows in res.regions.items():
             if name not in vars(res):  # not replaced by a fast path
-                setattr(res, name, compiled_region(getattr(res, name), grows))
+                setattr(res, name, compiled_region(getattr(res, name), grows, backend))
         return self
 
     def num_params(self, non_embedding=False):
@@ -321,10 +321,10 @@ class GPT(nn.Module):
         return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
 
-def compiled_region(fn, grows):
+def compiled_region(fn, grows, backend='inductor'):
     """torch.compile(fn), with the dims `grows` = [(argument, dim)] marked dynamic at every
     call: one compile serves every depth, the other dims stay static (faster kernels)."""
-    compiled = torch.compile(fn)
+    compiled = torch.compile(fn, backend=backend)
 
     def region(*args):
         for i, dim in grows:
@@ -333,12 +333,24 @@ def compiled_region(fn, grows):
     return region
 
 
-# dense bf16 peak FLOP/s per accelerator (vendor datasheets); unknown -> no MFU
-PEAK_FLOPS = [  # (substring of torch.cuda.get_device_name(), peak)
-    ('H200', 989e12), ('H100', 989e12), ('H800', 989e12), ('GH200', 989e12),
-    ('B200', 2250e12), ('A100', 312e12), ('A800', 312e12), ('L40S', 362e12),
-    ('L4', 121e12), ('A10G', 125e12), ('A10', 125e12), ('RTX 4090', 165e12),
-    ('RTX 3090', 71e12), ('V100', 125e12), ('MI300X', 1307e12), ('MI250X', 383e12),
+# Dense bf16 tensor-core peak FLOP/s per accelerator, from the vendors' datasheets, whose "with
+# sparsity" figures are halved: NVIDIA H100 SXM 1,979, NVL 1,671, PCIe 1,513 TFLOPS sparse; H200
+# SXM 1,979, NVL 1,671; A100 624; B200 (HGX) 4.5 PFLOPS; L40S 733; L40 362; L4 242; A10 250;
+# GeForce RTX 4090 330.3 and 3090 142 with FP32 accumulate (the Ada and GA102 whitepapers); AMD
+# MI300X 1,307.4 and MI250X 383 dense. The first entry whose key is in torch.cuda.get_device_name()
+# wins, so a variant comes before its family ('H100 NVL' before 'H100'). None: a name whose peak
+# is not verified here, or that a shorter key would match wrongly (GB200 holds 'B200'): no MFU
+# rather than a wrong one, as for every name not listed. CUDA's names: 'NVIDIA H100 80GB HBM3'
+# (SXM), 'NVIDIA H100 PCIe', 'NVIDIA H100 NVL', 'NVIDIA H200', 'NVIDIA H200 NVL', 'NVIDIA GH200 480GB'.
+PEAK_FLOPS = [  # (substring of the device name, peak FLOP/s or None)
+    ('H100 NVL', 835e12), ('H100 PCIe', 756e12), ('H100', 989e12),
+    ('H200 NVL', 835e12), ('GH200', 989e12), ('H200', 989e12),
+    ('H800 PCIe', 756e12), ('H800', 989e12), ('H20', None),
+    ('GB200', None), ('B200', 2250e12), ('B100', None),
+    ('A100', 312e12), ('A800', 312e12), ('A10G', None), ('A10', 125e12),
+    ('L40S', 362e12), ('L40', 181e12), ('L4', 121e12),
+    ('RTX 4090', 165e12), ('RTX 3090', 71e12), ('V100', None),  # V100: no bf16
+    ('MI300X', 1307e12), ('MI250X', 383e12),
 ]
 
 

@@ -35,7 +35,7 @@ def test_attnres_depth_scores_follow_the_formula_with_nonzero_queries():
     idx = torch.randint(0, 64, (2, 8), generator=g)
     res = model.residual
     rope = (model.rope_cos[:8], model.rope_sin[:8])
-    sources, _, mix, _ = res.block(res.begin(model.wte(idx)), 0, model.blocks[0], rope)
+    sources, mix = res.block(res.begin(model.wte(idx)), 0, model.blocks[0], rope)
     assert len(sources) == 3
     V = torch.stack(sources).double()                                  # (3, B, T, d)
     w, gain = layer.out_mix.query.double(), layer.out_mix.key_norm.weight.double()

@@ -583,7 +583,7 @@ def test_cli_compare_overlays_several_checkpoints(tmp_path, monkeypatch):
 
 
 def test_bench_probe_runs_and_reports_identical_scores(capsys):
-    import bench_probe
+    from probes import bench as bench_probe
     bench_probe.main(['--n_layer=3', '--n_embd=16', '--n_head=2', '--vocab_size=64', '--n_windows=2',
                       '--seq_len=8', '--device=cpu'])
     out = capsys.readouterr().out

@@ -1,5 +1,5 @@
 """
-Tests of probe_analysis.py (Jacobian deviation, usefulness, token collapse, LM pruning) on
+Tests of probes/analysis.py (Jacobian deviation, usefulness, token collapse, LM pruning) on
 tiny random models, against cases whose answer is known by hand and against brute force.
 Run: python -m pytest tests/test_probe_analysis.py -q
 """
@@ -236,7 +236,7 @@ def test_registered_in_probe_metrics(tmp_path):
 
 
 def test_figures_scales_and_labels():
-    import probe_plots as pp
+    from probes import plots as pp
     L = 4
     late = {'R_causal': 0.0, 'R_perm': 0.0, 'causal_threshold': 0.45, 'perm_threshold': 0.15, 'start': 1,
             'n_pairs': 6}

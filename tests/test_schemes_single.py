@@ -1,7 +1,7 @@
 """
-Tests of the single-stream residual schemes and MoDA in residuals.py, and of MoDA's joint
-attention in ops.py (paper Table 1, Appendix A; docs/schemes.md): Sandwich-LN, LNS, DeepNorm, KEEL, MoDA,
-Post-LN, ReZero, LayerScale, ResiDual.
+Tests of the single-stream residual schemes and MoDA in residuals.py (paper Table 1,
+Appendix A; docs/schemes.md): Sandwich-LN, LNS, DeepNorm, KEEL, MoDA, Post-LN, ReZero,
+LayerScale, ResiDual.
 
 Parameter counts against closed forms, each scheme's equation against an independent
 per-sublayer loop (default, swapped, skipped and dropped orders), equivalences at init,
@@ -22,14 +22,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT, GPTConfig  # noqa: E402
-from ops import depth_attention, depth_attention_reference  # noqa: E402
-from residuals import RESIDUALS  # noqa: E402
+from residuals import RESIDUALS, MoDA  # noqa: E402
 
 SCHEMES = ('sandwich', 'lns', 'deepnorm', 'keel', 'moda', 'postln', 'rezero', 'layerscale', 'resdual')
 SINGLE = tuple(s for s in SCHEMES if s != 'moda')  # the ones with a reference loop below
 VOCAB = 64
 EPS = 1e-6
-
 
 
 def make(residual, L=3, d=32, H=4, kv=None, seed=0, **kw):
@@ -301,139 +299,58 @@ def naive_depth_attention(q, k, v, dk, dv):
     return y
 
 
-METHODS = ['flash_cpu', 'null_key']  # the two exact merges of depth_attention, both on the CPU
+def depth_inputs(B, H, Hkv, T, S, hd, seed=0, dtype=torch.float32):
+    """q (B, H, T, hd), k, v (B, H_kv, T, hd), depth_k, depth_v (B, H_kv, T, S, hd)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, hd, generator=g, dtype=dtype)
+    k, v = torch.randn(2, B, Hkv, T, hd, generator=g, dtype=dtype)
+    dk, dv = torch.randn(2, B, Hkv, T, S, hd, generator=g, dtype=dtype)
+    return q, k, v, dk, dv
 
 
-@pytest.mark.parametrize('method', METHODS)
-@pytest.mark.parametrize('H,Hkv,S', [(4, 4, 3), (4, 2, 2), (4, 1, 5), (2, 1, 0)])
-def test_depth_attention_is_one_joint_softmax(H, Hkv, S, method, read_form):
-    g = torch.Generator().manual_seed(0)
-    B, T, hd = 2, 6, 8
-    q = torch.randn(B, H, T, hd, generator=g)
-    k, v = torch.randn(2, B, Hkv, T, hd, generator=g)
-    dk, dv = torch.randn(2, B, Hkv, T, S, hd, generator=g)
-    slots_k, slots_v = dk.unbind(3), dv.unbind(3)  # S tensors (B, Hkv, T, hd)
-    y = depth_attention(q, k, v, slots_k, slots_v, method=method)
-    naive = naive_depth_attention(q, k, v, dk, dv)
-    assert close(y, naive)
-    assert close(depth_attention_reference(q, k, v, slots_k, slots_v), naive)
-    if S == 0:  # plain causal attention
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        assert close(y, ref)
-
-
-@pytest.mark.parametrize('method', METHODS)
-@pytest.mark.parametrize('H,Hkv,S', [(4, 4, 3), (4, 2, 2), (2, 1, 1)])
-def test_depth_attention_gradients(H, Hkv, S, method, read_form):
-    """Both merges (MergeDepthFunction's hand-written backward through the CPU kernel's,
-    the null-key SDPA form) and DepthReadFunction's backward: gradcheck in fp64, and the
-    same gradients as the explicit-score formula left to autograd."""
-    g = torch.Generator().manual_seed(1)
-    B, T, hd = 2, 5, 4
-    def leaf(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
-    q, k, v = leaf(B, H, T, hd), leaf(B, Hkv, T, hd), leaf(B, Hkv, T, hd)
-    slots = [leaf(B, Hkv, T, hd) for _ in range(2 * S)]
-    def f(q, k, v, *slots):
-        return depth_attention(q, k, v, slots[:S], slots[S:], method=method)
-    assert torch.autograd.gradcheck(f, (q, k, v, *slots))
-    w = torch.randn(B, H, T, hd, generator=g, dtype=torch.float64)
-    inputs = (q, k, v, *slots)
-    ours = torch.autograd.grad((f(*inputs) * w).sum(), inputs)
-    ref = torch.autograd.grad((depth_attention_reference(q, k, v, slots[:S], slots[S:]) * w).sum(), inputs)
+@pytest.mark.parametrize('H,Hkv,S', [(4, 4, 3), (4, 2, 2), (4, 1, 5), (2, 1, 1)])
+def test_moda_attention_is_one_joint_softmax(H, Hkv, S):
+    """MoDA.attention against a loop over batch, head and query with GQA (query head i
+    reads key/value head i // (H / H_kv)), and its gradients against the loop's (fp64)."""
+    inputs = [t.double().requires_grad_() for t in depth_inputs(2, H, Hkv, 6, S, 8)]
+    y = MoDA.attention(None, *inputs)
+    naive = naive_depth_attention(*inputs)
+    torch.testing.assert_close(y, naive, rtol=1e-10, atol=1e-12)
+    w = torch.randn_like(y)
+    ours = torch.autograd.grad((y * w).sum(), inputs)
+    ref = torch.autograd.grad((naive * w).sum(), inputs)
     for a, b in zip(ours, ref):
-        assert torch.allclose(a, b, atol=1e-6)  # the reference's softmax is fp32
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize('method', METHODS)
-def test_depth_attention_bf16_close_to_fp32(method, read_form):
-    g = torch.Generator().manual_seed(2)
-    B, H, Hkv, T, hd, S = 2, 4, 2, 32, 16, 4
-    q = 2 * torch.randn(B, H, T, hd, generator=g)
-    k, v = 2 * torch.randn(2, B, Hkv, T, hd, generator=g)
-    K, V = list(2 * torch.randn(S, B, Hkv, T, hd, generator=g)), list(torch.randn(S, B, Hkv, T, hd, generator=g))
-    ref = depth_attention_reference(q, k, v, K, V)
-    bf = [t.bfloat16() for t in (q, k, v)]
-    y = depth_attention(*bf, [t.bfloat16() for t in K], [t.bfloat16() for t in V], method=method)
+def test_moda_attention_without_depth_mass_is_causal_attention():
+    """Depth keys with scores -inf-like (far below the sequence scores) leave plain causal
+    attention; a depth key aligned with the query takes the mass to its value."""
+    q, k, v, dk, dv = depth_inputs(2, 4, 2, 6, 2, 8, seed=3)
+    far = -1e4 * q.view(2, 2, 2, 6, 8)[:, :, 0].unsqueeze(3).expand(-1, -1, -1, 2, -1)  # (B, H_kv, T, S, hd)
+    q = q.view(2, 2, 2, 6, 8)
+    q = q[:, :, :1].expand(-1, -1, 2, -1, -1).reshape(2, 4, 6, 8)  # both heads of a group share q
+    y = MoDA.attention(None, q, k, v, far, dv)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    near = -far
+    y = MoDA.attention(None, q, k, v, near, dv)
+    torch.testing.assert_close(y, dv.mean(3).repeat_interleave(2, dim=1), rtol=1e-4, atol=1e-4)
+
+
+def test_moda_attention_keeps_the_dtype_and_softmax_in_fp32():
+    """bf16 inputs give a bf16 output close to the fp32 result (the softmax runs in fp32)."""
+    inputs = depth_inputs(2, 4, 2, 32, 4, 16, seed=2)
+    ref = MoDA.attention(None, *inputs)
+    y = MoDA.attention(None, *[t.bfloat16() for t in inputs])
     assert y.dtype == torch.bfloat16
     assert ((y.float() - ref).norm() / ref.norm()) < 0.02
-
-
-@pytest.mark.parametrize('method', METHODS)
-def test_depth_attention_bf16_error_does_not_grow_with_lse(method):
-    """Large depth scores keep the bf16 error near plain bf16 attention's (0.06% here). The
-    null-key form carries the -lse shift in q's dtype and corrects its rounding exactly
-    (0.09%; uncorrected: 0.8%); the CPU merge keeps lse in fp32 throughout."""
-    g = torch.Generator().manual_seed(0)
-    B, H, Hkv, T, hd, S, sc = 2, 4, 2, 64, 16, 4, 10.0
-    q = sc * torch.randn(B, H, T, hd, generator=g)
-    k = sc * torch.randn(B, Hkv, T, hd, generator=g)
-    v = torch.randn(B, Hkv, T, hd, generator=g)
-    K = list(0.5 * q.view(B, Hkv, 2, T, hd)[:, :, 0] + torch.randn(S, B, Hkv, T, hd, generator=g))  # aligned with q
-    V = list(torch.randn(S, B, Hkv, T, hd, generator=g))
-    bf = [t.bfloat16() for t in (q, k, v)]
-    Kb, Vb = [t.bfloat16() for t in K], [t.bfloat16() for t in V]
-    ref = depth_attention_reference(*[t.double() for t in bf], [t.double() for t in Kb], [t.double() for t in Vb])
-    y = depth_attention(*bf, Kb, Vb, method=method).double()
-    assert ((y - ref).norm() / ref.norm()) < 0.002  # plain bf16 SDPA here: 0.0006
-
-
-@pytest.mark.parametrize('method', METHODS)
-def test_depth_attention_bf16_gradients_close_to_fp32(method):
-    g = torch.Generator().manual_seed(3)
-    B, H, Hkv, T, hd, S = 2, 4, 2, 32, 16, 3
-    ts = [2 * torch.randn(B, H, T, hd, generator=g)] + [2 * torch.randn(B, Hkv, T, hd, generator=g) for _ in range(2 + 2 * S)]
-    w = torch.randn(B, H, T, hd, generator=g)
-    def grads(dtype, fn):
-        leaves = [t.detach().to(dtype).requires_grad_() for t in ts]
-        q, k, v, *slots = leaves
-        (fn(q, k, v, slots[:S], slots[S:]).float() * w).sum().backward()
-        return [t.grad.float() for t in leaves]
-    ref = grads(torch.float32, depth_attention_reference)
-    ours = grads(torch.bfloat16, lambda *a: depth_attention(*a, method=method))
-    for a, b in zip(ours, ref):
-        assert ((a - b).norm() / b.norm()) < 0.03
-
-
-def test_depth_attention_method_errors():
-    q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(ValueError, match="method must be"):
-        depth_attention(q, q, q, [q], [q], method='flash')
-    with pytest.raises(ValueError, match="CPU only"):
-        depth_attention(q.to('meta'), q.to('meta'), q.to('meta'), [q.to('meta')], [q.to('meta')], method='flash_cpu')
-
-
-@pytest.mark.parametrize('fn', [depth_attention, depth_attention_reference])
-def test_depth_attention_shape_errors(fn):
-    """Shapes that do not fit give a ValueError naming the problem, from both forms
-    (before the checks: a bare assert, an IndexError, or for k of another length on the
-    CPU path, a silently wrong result)."""
-    q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
-    cases = [((q, kv, kv, [kv, kv], []), "2 depth keys but 0 depth values"),
-             ((q, kv, kv, [kv, kv], [kv]), "2 depth keys but 1 depth values"),
-             ((q, torch.randn(1, 3, 3, 8), torch.randn(1, 3, 3, 8), [], []), "dividing H = 4"),
-             ((q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), [], []), "k and v must be"),
-             ((q, kv, torch.randn(1, 1, 3, 8), [], []), "k and v must be"),
-             ((q, kv, kv, [kv], [torch.randn(1, 2, 4, 8)]), "depth value 0 has shape"),
-             ((q[0], kv, kv, [], []), "must be 4-d")]
-    for args, match in cases:
-        with pytest.raises(ValueError, match=match):
-            fn(*args)
 
 
 def moda(L=3, use_depth=True, **kw):
     model = make('moda', L=L, d=32, H=4, kv=2, **kw)
     model.residual.use_depth = use_depth
     return model
-
-
-def test_moda_traces_to_one_graph():
-    """torch.compile sees the whole MoDA model (both autograd Functions, the method choice)
-    as one graph: no graph break."""
-    model = moda()
-    idx = torch.randint(0, model.config.vocab_size, (2, 16))
-    explain = torch._dynamo.explain(lambda i: model(i, i)[1])(idx)
-    assert (explain.graph_count, explain.graph_break_count) == (1, 0), explain.break_reasons
 
 
 def test_moda_masked_depth_is_preln_and_block0_is_plain():

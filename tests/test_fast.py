@@ -1,0 +1,365 @@
+"""
+The fast paths (fast/) against the plain methods of residuals.py they replace, driven by
+fast.FAST_PATHS: every fast path on random inputs, in fp64, fp32 and under bf16 autocast,
+forward and backward (every input and parameter gradient), eager and under torch.compile;
+the start-up guard (`fast.setup`) against edits of the plain code; and train.py refusing an
+edited residuals.py with --fast=True. CPU; the CUDA-only paths skip without CUDA or their
+package.
+
+    python -m pytest tests/test_fast.py -q
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import fast  # noqa: E402
+import residuals  # noqa: E402
+from fast import streams  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+MODES = ('fp64', 'fp32', 'bf16')  # bf16: fp32 weights, the inputs the model gives under bf16 autocast
+TOL = {'fp64': 1e-10, 'fp32': 1e-4, 'bf16': 2e-2}  # max error relative to the largest plain entry
+B, T, D, N_SRC, M, S = 2, 5, 32, 4, 4, 3       # batch, tokens, width, AttnRes sources, streams, MoDA slots
+
+
+def scheme_of(path):
+    """The registry name whose model runs `path`'s plain method (the class or a subclass)."""
+    names = {residuals.AttnRes: 'attnres', residuals.MHC: 'mhc', residuals.MultiStream: 'hc',
+             residuals.MoDA: 'moda'}
+    return names[path.scheme]
+
+
+def make(residual, dtype=torch.float32, device='cpu', **kw):
+    """A tiny model (GQA: 4 query heads, 2 key/value heads) with every parameter random."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=D, n_head=4, n_kv_head=2,
+                          residual=residual, **kw))
+    fast.randomise(model)
+    return model.to(device=device, dtype=dtype)
+
+
+def randn(*shape, dtype, device, g, scale=1.0):
+    return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype)
+
+
+def path_inputs(res, method, mode, device):
+    """(args, leaves) for `res.<method>(*args)`: random inputs in the dtypes the model hands the
+    method in `mode`, and the tensors whose gradients are compared (inputs and parameters)."""
+    g = torch.Generator().manual_seed(1)
+    wide = torch.float64 if mode == 'fp64' else torch.float32
+    low = torch.bfloat16 if mode == 'bf16' else wide
+
+    def t(*shape, dtype=wide, scale=1.0):
+        return randn(*shape, dtype=dtype, device=device, g=g, scale=scale).requires_grad_()
+
+    if method == 'read':  # the fp32 embedding, then the sublayer outputs (bf16 under autocast)
+        mixer = res.layers[0].mlp_mix
+        sources = [t(B, T, D, dtype=wide if i == 0 else low, scale=0.5 + i) for i in range(N_SRC)]
+        return (sources, mixer), [*sources, mixer.query, mixer.key_norm.weight]
+    if method == 'coefficients':  # the streams stay fp32: the routing runs with autocast off
+        route = res.layers[0].mlp_route
+        H = t(B, T, M, D)
+        return (H, route), [H, *route.parameters()]
+    if method == 'read_streams':
+        H, r = t(B, T, M, D), t(B, T, M)
+        return (H, r), [H, r]
+    if method == 'write_streams':
+        H, Mx, w, y = t(B, T, M, D), t(B, T, M, M, scale=0.5), t(B, T, M), t(B, T, D)
+        return (H, Mx, w, y), [H, Mx, w, y]
+    if method == 'attention':  # q, k, v after RoPE and the depth slots, in the branch's dtype
+        hd = D // 4
+        q, k, v = t(B, 4, T, hd, dtype=low, scale=2.0), t(B, 2, T, hd, dtype=low, scale=2.0), t(B, 2, T, hd, dtype=low)
+        dk, dv = t(B, 2, T, S, hd, dtype=low, scale=2.0), t(B, 2, T, S, hd, dtype=low)
+        return (q, k, v, dk, dv), [q, k, v, dk, dv]
+    raise KeyError(f"no random inputs for {method}: add them here to test its fast path")
+
+
+# the multi-stream routing runs with autocast off (MultiStream.sublayer), on fp32 streams
+ROUTING = {'coefficients', 'read_streams', 'write_streams'}
+
+
+def outputs(out):
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def forward_backward(fn, res, args, leaves, mode, device, which, autocast_off=False):
+    """Outputs and gradients of a fixed random weighting of the outputs (which='all') or of
+    the first output alone ('first': AttnRes training reads z only, so no gradient reaches a)."""
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mode == 'bf16'):
+        with residuals.no_autocast(args[0]) if autocast_off else contextlib.nullcontext():
+            outs = outputs(fn(res, *args))
+    g = torch.Generator().manual_seed(2)
+    used = outs if which == 'all' else outs[:1]
+    loss = sum((o.double() * randn(*o.shape, dtype=torch.float64, device=device, g=g)).sum() for o in used)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [o.detach() for o in outs], list(grads)
+
+
+def rel_err(have, want):
+    return ((have.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+def available(path):
+    return torch.cuda.is_available() and fast.available(path, 'cuda') if path.cuda_only else True
+
+
+def configs(path):
+    """The scheme options the fast path maps exactly (mHC: both Sinkhorn orders)."""
+    options = [{'mhc_sinkhorn': 'liger'}, {'mhc_sinkhorn': 'plain'}] if path.scheme is residuals.MHC else [{}]
+    return [kw for kw in options if path.applies(GPTConfig(**kw))]
+
+
+CASES = [pytest.param(p, kw, id=f"{p.name}-{'-'.join(map(str, kw.values())) or 'default'}")
+         for p in fast.FAST_PATHS for kw in configs(p)]
+
+
+@pytest.mark.parametrize('compiled', [False, True], ids=['eager', 'compiled'])
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('path,cfg_kw', CASES)
+def test_fast_path_matches_the_plain_method(path, cfg_kw, mode, compiled):
+    """Outputs (shape, dtype, values) and every gradient of the fast path against the plain
+    method, on a model with random parameters, eager or with the fast path compiled."""
+    if not available(path):
+        pytest.skip(f"{path.name} needs CUDA and {path.package}")
+    if path.cuda_only and mode == 'fp64':
+        pytest.skip("the CUDA kernels run fp32 and bf16")
+    device = 'cuda' if path.cuda_only else 'cpu'
+    model = make(scheme_of(path), torch.float64 if mode == 'fp64' else torch.float32, device, **cfg_kw)
+    res = model.residual
+    plain = getattr(type(res), path.method)
+    impl = path.impl
+    if compiled:
+        torch._dynamo.reset()
+        impl = torch.compile(path.impl, backend='aot_eager')
+    off = path.method in ROUTING
+    tol = TOL[mode] if not (path.cuda_only and mode == 'fp32') else 2e-3  # what fast.check allows on CUDA
+    for which in ('all', 'first'):
+        args, leaves = path_inputs(res, path.method, mode, device)
+        want_out, want_grads = forward_backward(plain, res, args, leaves, mode, device, which, off)
+        have_out, have_grads = forward_backward(impl, res, args, leaves, mode, device, which, off)
+        assert len(have_out) == len(want_out)
+        for i, (have, want) in enumerate(zip(have_out, want_out)):
+            assert have.shape == want.shape and have.dtype == want.dtype, f"output {i}"
+            assert rel_err(have, want) <= tol, f"output {i}: relative error {rel_err(have, want):.1e}"
+        for i, (have, want) in enumerate(zip(have_grads, want_grads)):
+            assert (have is None) == (want is None), f"gradient {i} ({which}): present in one form only"
+            if want is not None:
+                assert have.dtype == want.dtype, f"gradient {i} ({which})"
+                assert rel_err(have, want) <= tol, f"gradient {i} ({which}): relative error {rel_err(have, want):.1e}"
+
+
+def test_every_fast_path_has_inputs_and_replaces_a_plain_method():
+    for p in fast.FAST_PATHS:
+        assert callable(getattr(p.scheme, p.method, None)), p.name
+        model = make(scheme_of(p), **(configs(p) or [{}])[0])
+        path_inputs(model.residual, p.method, 'fp32', 'cpu')  # raises KeyError for a method without inputs
+
+
+@pytest.mark.parametrize('order,eps', [('liger', residuals.LIGER_SINKHORN_EPS), ('plain', 0.0), ('liger', 1e-2)])
+@pytest.mark.parametrize('iters', [1, 2, 20])
+def test_torch_sinkhorn_matches_the_plain_one(order, eps, iters):
+    """The Sinkhorn rounds of mhc_coeffs_torch against residuals.sinkhorn, fp64, on logits wide
+    enough (+-20) that eps and the order both matter, forward and backward."""
+    g = torch.Generator().manual_seed(3)
+    z = (20 * torch.randn(3, 5, M, M, generator=g, dtype=torch.float64)).requires_grad_()
+    w = torch.randn(3, 5, M, M, generator=g, dtype=torch.float64)
+    want = residuals.sinkhorn(z, iters, order, eps)
+    have = streams.torch_sinkhorn(z, iters, order, eps)
+    torch.testing.assert_close(have, want, rtol=1e-12, atol=1e-14)
+    gw, = torch.autograd.grad((want * w).sum(), z)
+    gh, = torch.autograd.grad((have * w).sum(), z)
+    torch.testing.assert_close(gh, gw, rtol=1e-10, atol=1e-12)
+
+
+def test_moda_sdpa_bf16_error_does_not_grow_with_the_depth_scores():
+    """Large depth scores keep the null-key form's bf16 error near plain bf16 attention's: it
+    carries the -lse shift in q's dtype and corrects the shift's rounding (uncorrected: ~0.8%)."""
+    from fast.moda import sdpa_attention
+    g = torch.Generator().manual_seed(0)
+    Bq, H, Hkv, Tq, hd, Sq, sc = 2, 4, 2, 64, 16, 4, 10.0
+    q = sc * torch.randn(Bq, H, Tq, hd, generator=g)
+    k = sc * torch.randn(Bq, Hkv, Tq, hd, generator=g)
+    v = torch.randn(Bq, Hkv, Tq, hd, generator=g)
+    dk = 0.5 * q.view(Bq, Hkv, 2, Tq, hd)[:, :, 0].unsqueeze(3) + torch.randn(Bq, Hkv, Tq, Sq, hd, generator=g)
+    dv = torch.randn(Bq, Hkv, Tq, Sq, hd, generator=g)
+    bf = [t.bfloat16() for t in (q, k, v, dk, dv)]
+    ref = residuals.MoDA.attention(None, *[t.double() for t in bf])
+    y = sdpa_attention(None, *bf).double()
+    assert ((y - ref).norm() / ref.norm()) < 0.002  # plain bf16 SDPA here: 0.0006
+
+
+# -----------------------------------------------------------------------------
+# the start-up guard
+
+def hot_mix(self, V, mixer):
+    """AttnRes.mix with a softmax temperature of 0.5: an edit a fast read would hide."""
+    V = V.to(torch.promote_types(V.dtype, torch.float32))
+    with residuals.no_autocast(V):
+        keys = F.rms_norm(V, (V.size(-1),), mixer.key_norm.weight.to(V.dtype), mixer.key_norm.eps)
+        a = torch.softmax(keys @ mixer.query.to(V.dtype) / 0.5, dim=0)
+        z = torch.einsum('nbt,nbtd->btd', a, V)
+    return z, a
+
+
+def one_round_fewer(monkeypatch):
+    plain = residuals.sinkhorn
+    monkeypatch.setattr(residuals, 'sinkhorn', lambda z, iters, order, eps: plain(z, max(iters - 1, 1), order, eps))
+
+
+def mix_transposed(monkeypatch):
+    plain = residuals.MultiStream.write_streams
+    monkeypatch.setattr(residuals.MultiStream, 'write_streams',
+                        lambda self, H, Mx, w, y: plain(self, H, Mx.transpose(-1, -2), w, y))
+
+
+EDITS = [  # (scheme, edit, the fast path that must refuse it, the plain method it replaces)
+    ('attnres', lambda mp: mp.setattr(residuals.AttnRes, 'mix', hot_mix), 'attnres_read_torch', 'AttnRes.read'),
+    ('blockattnres', lambda mp: mp.setattr(residuals.AttnRes, 'mix', hot_mix), 'attnres_read_torch', 'AttnRes.read'),
+    ('mhc', one_round_fewer, 'mhc_coeffs_torch', 'MHC.coefficients'),
+    ('hc', mix_transposed, 'streams_write_torch', 'MultiStream.write_streams'),
+]
+
+
+def logits(model, idx):
+    with torch.no_grad():
+        return model(idx)[0]
+
+
+@pytest.mark.parametrize('residual,edit,name,method', EDITS, ids=[e[0] + '-' + e[2] for e in EDITS])
+def test_the_guard_refuses_an_edit_the_fast_path_would_hide(residual, edit, name, method, monkeypatch):
+    model = make(residual, torch.float64)  # fp64: a converged Sinkhorn moves the loss by ~1e-7 only
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    before = logits(model, idx)
+    edit(monkeypatch)
+    with pytest.raises(fast.FastPathMismatch) as e:
+        fast.setup(model, True, 'cpu')
+    msg = str(e.value)
+    assert name in msg and f"residuals.{method}" in msg and '--fast=False' in msg and '\n' not in msg
+    assert not any(k in vars(model.residual) for k in ('read', 'coefficients', 'write_streams'))  # nothing enabled
+    assert fast.setup(model, False, 'cpu') == []
+    assert rel_err(logits(model, idx), before) > 1e-7  # with fast off the edit is what runs
+
+
+@pytest.mark.parametrize('residual,cfg_kw,names', [
+    ('attnres', {}, ['attnres_read_torch']),
+    ('blockattnres', {}, ['attnres_read_torch']),
+    ('hc', {}, ['streams_write_torch']),
+    ('mhc', {}, ['mhc_coeffs_torch', 'streams_write_torch']),
+    ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_coeffs_torch', 'streams_write_torch']),
+    ('moda', {}, ['moda_sdpa']),
+    ('preln', {}, []),
+])
+def test_setup_enables_the_fast_paths_and_keeps_the_step(residual, cfg_kw, names):
+    """fast.setup on the CPU (guard on): the paths that apply, put in place, and the same loss and
+    gradients as the plain model, in fp32 and under bf16 autocast; 'auto' is off on the CPU."""
+    model = make(residual, **cfg_kw)
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    assert fast.setup(model, 'auto', 'cpu') == []
+
+    def step(bf16):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
+            loss = model(idx, idx)[1]
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
+
+    plain = [step(False), step(True)]
+    paths = fast.setup(model, True, 'cpu')
+    assert [p.name for p in paths] == names
+    for p in paths:
+        assert getattr(model.residual, p.method).__func__ is p.impl
+    assert fast.describe(paths).startswith('fast paths: ' + (names[0] if names else 'off'))
+    for want, have, tol in zip(plain, [step(False), step(True)], (1e-4, 2e-2)):
+        floor = 1e-3 * max(t.abs().max().item() for t in want)  # as fast.check: small-by-cancellation gradients
+        for a, b in zip(have, want):
+            assert (a - b).abs().max().item() <= tol * max(b.abs().max().item(), floor)
+    fast.disable(model)
+    assert not any(p.method in vars(model.residual) for p in fast.FAST_PATHS)
+
+
+def test_resolve():
+    assert fast.resolve('auto', 'cpu') is False and fast.resolve('auto', 'cuda') is True
+    assert fast.resolve('True', 'cpu') is True and fast.resolve(False, 'cuda') is False
+    with pytest.raises(ValueError, match='fast must be'):
+        fast.resolve('yes', 'cpu')
+
+
+# -----------------------------------------------------------------------------
+# train.py on an edited copy of the repository
+
+TINY = ['--device=cpu', '--compile=False', '--residual=attnres', '--n_layer=2', '--n_embd=32', '--n_head=2',
+        '--block_size=32', '--batch_size=4', '--gradient_accumulation_steps=1', '--log_interval=1',
+        '--eval_iters=1', '--max_iters=4', '--eval_interval=4', '--learning_rate=1e-2']
+PLAIN_SOFTMAX = 'a = torch.softmax(keys @ mixer.query.to(V.dtype), dim=0)'
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    """A byte-level corpus: a repeated short text with some noise."""
+    d = tmp_path_factory.mktemp('data')
+    rng = np.random.default_rng(0)
+    text = np.frombuffer(b'the quick brown fox jumps over the lazy dog. ' * 200, dtype=np.uint8).astype(np.uint16)
+    tokens = np.where(rng.random(text.size) < 0.05, rng.integers(0, 256, size=text.size, dtype=np.uint16), text)
+    tokens[:8000].tofile(d / 'train.bin')
+    tokens[8000:].tofile(d / 'val.bin')
+    (d / 'meta.json').write_text(json.dumps({'vocab_size': 257, 'tokenizer': 'byte'}))
+    return d
+
+
+def copy_repo(dst):
+    files = subprocess.run(['git', 'ls-files'], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dst / f)
+    return dst
+
+
+def train(repo, *args):
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    return subprocess.run([sys.executable, 'train.py', *TINY, *args], cwd=repo, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def train_losses(out):
+    rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    return [r['train_loss'] for r in rows if 'train_loss' in r]
+
+
+def test_train_refuses_an_edited_read_with_fast_on(data_dir, tmp_path):
+    """An edit of AttnRes.mix (softmax temperature 0.5) in a copy of the repository: train.py
+    --fast=True stops at start-up with one line naming the fast path and --fast=False; with
+    --fast=False the edited code trains, and its losses differ from the unedited copy's."""
+    repo = copy_repo(tmp_path / 'repo')
+    data = f'--data_dir={data_dir}'
+    r = train(repo, data, f'--out_dir={tmp_path / "base"}', '--fast=False')
+    assert r.returncode == 0, r.stderr[-3000:]
+    base = train_losses(tmp_path / 'base')
+    text = (repo / 'residuals.py').read_text()
+    assert text.count(PLAIN_SOFTMAX) == 1
+    (repo / 'residuals.py').write_text(text.replace(PLAIN_SOFTMAX, PLAIN_SOFTMAX.replace('), dim=0)', ') / 0.5, dim=0)')))
+
+    r = train(repo, data, f'--out_dir={tmp_path / "fast"}', '--fast=True')
+    assert r.returncode != 0
+    named = [line for line in (r.stdout + r.stderr).splitlines() if 'attnres_read_torch' in line]
+    assert len(named) == 1 and '--fast=False' in named[0] and 'AttnRes.read' in named[0], r.stderr[-3000:]
+    assert 'Traceback' not in r.stderr
+
+    r = train(repo, data, f'--out_dir={tmp_path / "plain"}', '--fast=False')
+    assert r.returncode == 0, r.stderr[-3000:]
+    edited = train_losses(tmp_path / 'plain')
+    assert len(edited) == len(base) == 4
+    assert edited[0] == pytest.approx(base[0], abs=1e-6)  # zero queries at init: the temperature has no effect yet
+    assert abs(edited[-1] - base[-1]) > 1e-4
