@@ -125,17 +125,18 @@ def data_dir_for(ckpt):
 
 
 def tokenizer_name_for(ckpt, val_bin=None):
-    """Which tokenizer a checkpoint was trained with: 'tokenizer' of meta.json beside its val.bin,
-    else config['tokenizer'], else the dataset's suffix ('_byte' -> byte), else by vocab size."""
+    """Which tokenizer a checkpoint was trained with: the one it records ('tokenizer', written by
+    train.py from its data's meta.json), else config['tokenizer'], else 'tokenizer' of the meta.json
+    beside val_bin or its data directory, else the dataset's suffix ('_byte' -> byte), else by vocab size."""
+    config = ckpt.get('config') or {}
+    if ckpt.get('tokenizer') or config.get('tokenizer'):
+        return ckpt.get('tokenizer') or config['tokenizer']
     for meta in ([Path(val_bin).parent / 'meta.json'] if val_bin else []) + \
                 ([data_dir_for(ckpt) / 'meta.json'] if data_dir_for(ckpt) else []):
         if meta.is_file():
-            name = json.loads(meta.read_text()).get('tokenizer')
+            name = _read_meta(meta).get('tokenizer')
             if name:
                 return name
-    config = ckpt.get('config') or {}
-    if config.get('tokenizer'):
-        return config['tokenizer']
     if str(config.get('dataset', '')).endswith('_byte') or ckpt['model_args'].get('vocab_size', 50280) <= 257:
         return 'byte'
     return 'gpt2'
@@ -165,28 +166,37 @@ def _same_tokenizer(a, b):
 
 
 def check_tokenizer(ckpt, vocab_size, val_bin, requested=None):
-    """Refuses (ValueError) held-out data or a --tokenizer of another tokenizer than the
-    model's: the tokenizer in the meta.json beside val_bin against the one recorded for the
-    checkpoint (the meta.json of its training data, or its config), and against `requested`;
-    a model whose vocab_size came from its data's meta.json must have that data's vocab_size.
-    Token ids alone cannot tell: byte ids (< 257) fit a GPT-2 model's embedding."""
+    """The checkpoint's tokenizer against the data's: the one the checkpoint records (train.py
+    writes its data's at training time) wins over any meta.json, whose disagreement is one note
+    line; without a record, held-out data whose meta.json names another tokenizer than the meta.json
+    of the checkpoint's training data is refused (ValueError), as is a `requested` (--tokenizer)
+    other than the model's, and data of another vocab_size than a model that took its vocab_size
+    from its data. Token ids alone cannot tell: byte ids (< 257) fit a GPT-2 model's embedding."""
     data_meta = _read_meta(Path(val_bin).parent / 'meta.json') if val_bin else {}
     own = data_dir_for(ckpt)
-    own_meta = _read_meta(own / 'meta.json') if own and val_bin and Path(val_bin).parent != own else {}
+    own_meta = _read_meta(own / 'meta.json') if own and (not val_bin or Path(val_bin).parent != own) else {}
     config = ckpt.get('config') or {}
-    trained = own_meta.get('tokenizer') or config.get('tokenizer')
-    data = data_meta.get('tokenizer')
+    recorded = ckpt.get('tokenizer') or config.get('tokenizer')
     where = Path(val_bin).parent / 'meta.json' if val_bin else None
-    if trained and data and not _same_tokenizer(trained, data):
-        raise ValueError(f"{val_bin} holds {data!r} tokens ({where}), the model was trained on {trained!r} tokens: "
-                         f"pass the --val_bin of the data the model was trained on")
+    metas = ((where, data_meta), (own / 'meta.json' if own else None, own_meta))
+    other = [f"{path} names {meta['tokenizer']!r}" for path, meta in metas
+             if recorded and meta.get('tokenizer') and not _same_tokenizer(recorded, meta['tokenizer'])]
+    trained = recorded or own_meta.get('tokenizer')
+    data = data_meta.get('tokenizer')
+    if not recorded and trained and data and not _same_tokenizer(trained, data):
+        raise ValueError(f"{val_bin} holds {data!r} tokens ({where}), the model was trained on {trained!r} tokens "
+                         f"({own / 'meta.json'}): pass the --val_bin of the data the model was trained on")
     if data_meta.get('vocab_size') and config.get('vocab_size') is None and data_meta['vocab_size'] != vocab_size:
         raise ValueError(f"{val_bin} is data of a {data_meta['vocab_size']:,}-id vocabulary ({where}), the model has "
                          f"vocab_size {vocab_size:,}: pass the --val_bin of the data the model was trained on")
     known = trained or data
     if requested and known and not _same_tokenizer(requested, known):
         raise ValueError(f"--tokenizer={requested} but the model's data is {known!r} "
-                         f"({where if data else 'its checkpoint'}): drop --tokenizer, or pass the model's")
+                         f"({'its checkpoint' if recorded else own / 'meta.json' if trained else where}): "
+                         f"drop --tokenizer, or pass the model's")
+    if other:
+        print(f"note: {' and '.join(other)}, the checkpoint records {recorded!r} (its training data's "
+              f"tokenizer): the checkpoint's is used and labels the results")
 
 
 def sample_windows(val_bin, n_windows, seq_len, seed=42):
@@ -378,8 +388,10 @@ def late_pair_ratio(C=None, P=None, causal_threshold=CAUSAL_THRESHOLD, perm_thre
     """Late-layer interdependence ratios (paper Eqs. 5-8):
     S_late = {(s, l): s >= ceil(L * start_frac), l > s} (0-based); R_causal = share of S_late
     with C(s, l) > causal_threshold, R_perm = share with P(s, l) > perm_threshold (strict).
-    C, P: (L, L) arrays from causal_scores / permutation_scores (either may be None). Pairs
-    whose score was not computed (NaN) are left out of the count.
+    C, P: (L, L) arrays from causal_scores / permutation_scores (either may be None). A pair
+    whose score is not finite (NaN: not computed, or a swap that broke the model; inf, which
+    probe.json stores as null, as NaN) is left out of both counts: n_causal_pairs / n_perm_pairs
+    say how many pairs a ratio is over (n_pairs when every late pair has a finite score).
     Returns {'start', 'n_pairs', 'R_causal', 'n_causal', 'n_causal_pairs', 'R_perm', 'n_perm',
     'n_perm_pairs', thresholds}; a ratio is None when its matrix is missing."""
     ref = C if C is not None else P
@@ -466,6 +478,37 @@ def attnres_path_weights(tape, n_layer, block_size=1):
     return W, n_tok
 
 
+def says_unit_paths(residual):
+    """Whether a scheme says that every residual add has weight 1 (Residual.unit_paths), and says
+    it for its own update rule: the class that sets unit_paths must be the one that defines
+    `sublayer` / `block`, or a subclass of it. A subclass that changes the update of a unit-path
+    scheme (h + a F(...) under Pre-LN's name) is not taken at its parent's word."""
+    if 'unit_paths' in vars(residual):
+        return bool(residual.unit_paths)
+    mro = type(residual).__mro__
+    said = next(i for i, c in enumerate(mro) if 'unit_paths' in vars(c))
+    rule = next((i for i, c in enumerate(mro) if {'sublayer', 'block'} & vars(c).keys()), len(mro))
+    return bool(residual.unit_paths) and said <= rule
+
+
+def path_weights_kind(model, keys=None):
+    """How path_weights gets a scheme's weights: 'hc' (trace 'mix'), 'attnres' (trace 'weights'),
+    'unit' (says_unit_paths), or None: the scheme does not say, and no weights are drawn."""
+    keys = trace_keys(model) if keys is None else keys
+    if 'mix' in keys:
+        return 'hc'
+    if 'weights' in keys:
+        return 'attnres'
+    return 'unit' if says_unit_paths(model.residual) else None
+
+
+def no_path_weights(model):
+    """The one line for a scheme without path weights."""
+    return (f"{model.config.residual!r} ({type(model.residual).__name__}) neither traces its residual coefficients "
+            f"('weights' or 'read'/'mix'/'write') nor says that its adds have weight 1 (unit_paths = True "
+            f"in its class): its path weights are unknown")
+
+
 def _attnres_block_size(model):
     # sublayers per Block AttnRes block (2L / attnres_blocks); Full AttnRes gives len(a) == l + 1 first
     return max(1, 2 * model.config.n_layer // max(1, model.config.attnres_blocks))
@@ -476,18 +519,21 @@ def path_weights(model, windows, batch_size=BATCH_SIZE, progress=False):
     """Explicit residual-path weights (Fig. 7): W[l, i] = weight of source i
     (0 = embedding, i = output of sublayer i-1) in the input of reader l (sublayer l, 2L = the
     final readout), for i <= l; NaN elsewhere. Dispatch on the trace:
-    - no coefficients (residual family): every residual add has weight 1, W = lower-triangular
-      ones (exact for Pre-LN; for post-norm schemes the normalisations are not folded in);
+    - no coefficients, and the scheme says every residual add has weight 1 (says_unit_paths:
+      Pre-LN, LNS, Sandwich, MoDA): W = lower-triangular ones;
     - 'weights' (Full / Block AttnRes): token-averaged depth-softmax weights (rows sum to 1);
     - 'mix' (HC / mHC): w_{i->l} = beta_i^T A^{(i+1)} ... A^{(l-1)} a^{(l)} computed per token
       with the dynamic coefficients, then averaged over tokens (not the product of averages).
-    Returns {'W': (2L+1, 2L+1) array, 'kind': 'unit' | 'attnres' | 'hc', 'n_tokens'}."""
+    Returns {'W': (2L+1, 2L+1) array, 'kind': 'unit' | 'attnres' | 'hc', 'n_tokens'}. Raises
+    ValueError for any other scheme (post-norm, gated, scaled adds: weights it does not say)."""
     model.eval()
-    L, keys = model.config.n_layer, trace_keys(model)
-    if 'mix' in keys:
-        kind, fn = 'hc', lambda tape: hc_path_weights(tape, L)
-    elif 'weights' in keys:
-        kind, fn = 'attnres', lambda tape: attnres_path_weights(tape, L, _attnres_block_size(model))
+    L, kind = model.config.n_layer, path_weights_kind(model)
+    if kind is None:
+        raise ValueError(f"path_weights: {no_path_weights(model)}")
+    if kind == 'hc':
+        fn = lambda tape: hc_path_weights(tape, L)  # noqa: E731
+    elif kind == 'attnres':
+        fn = lambda tape: attnres_path_weights(tape, L, _attnres_block_size(model))  # noqa: E731
     else:
         W = np.tril(np.ones((2 * L + 1, 2 * L + 1)))
         W[np.triu_indices(2 * L + 1, 1)] = np.nan
@@ -790,6 +836,9 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
                 pairs = late_pairs(L) if args.perm_late_only else None
                 out[metric] = permutation_scores(model, windows(metric), bs, pairs=pairs, progress=True)
             elif metric == 'path_weights':
+                if path_weights_kind(model, keys) is None:
+                    skip(metric, no_path_weights(model))
+                    continue
                 out[metric] = path_weights(model, windows(metric), bs, progress=True)
             elif metric == 'block_weights':
                 if 'current' not in keys:
@@ -891,9 +940,13 @@ def _report(metric, r):
     elif metric == 'permutation':
         print(f"permutation: loss {r['loss']:.4f} nats, mean P {_stat(np.nanmean, r['P']):.4f}")
     elif metric == 'late_pairs':
-        fmt = lambda v: 'n/a' if v is None else f"{100 * v:.1f}%"
+        def fmt(name):  # the ratio, and over how many pairs when some have no finite score
+            v, n = r[f'R_{name}'], r.get(f'n_{name}_pairs', r['n_pairs'])
+            if v is None:
+                return 'n/a'
+            return f"{100 * v:.1f}%" + (f" ({n} of {r['n_pairs']} finite)" if n < r['n_pairs'] else '')
         print(f"late pairs (s >= {r['start']}, {r['n_pairs']} pairs): "
-              f"R_causal {fmt(r['R_causal'])}, R_perm {fmt(r['R_perm'])}")
+              f"R_causal {fmt('causal')}, R_perm {fmt('perm')}")
     elif metric == 'path_weights':
         print(f"path_weights: {r['kind']}, readout weight on the embedding {r['W'][-1, 0]:.3f}, "
               f"mean over sublayer outputs {np.mean(r['W'][-1, 1:]):.3f}")
@@ -935,7 +988,7 @@ def write_json(results, path):
 def write_results(results, out_dir):
     """Writes probe.json, then the figures of one checkpoint, into out_dir; returns the paths."""
     write_json(results, Path(out_dir) / 'probe.json')
-    import probe_plots  # after the JSON: without matplotlib the numbers are still kept
+    from probes import plots  # after the JSON: without matplotlib the numbers are still kept
     return [Path(out_dir) / 'probe.json'] + plots.plot_all([results], out_dir)
 
 

@@ -725,6 +725,7 @@ class LNS(PreLN):
     unscaled. No parameters beyond Pre-LN's: with L = 1 it is Pre-LN."""
 
     peak_lr = 1e-2  # paper Table 4
+    unit_paths = True  # the factor scales the branch's input; the add keeps weight 1
 
     def sublayer(self, h, b, j, f):
         scale = 1.0 / math.sqrt(b + 1)

@@ -130,6 +130,42 @@ def fail(msg):
     sys.exit(f"error: {msg}")
 
 
+resume_iter = None  # the iteration of out_dir/ckpt.pt, where a resume starts (None: no checkpoint yet)
+training = False  # whether the training loop has started
+_interrupt = {'defer': False, 'pending': False}  # a Ctrl-C during a checkpoint write waits for its end
+
+
+def on_interrupt(signum, frame):
+    """Ctrl-C at any moment: one line saying from which iteration a resume starts, instead of
+    a traceback. During a checkpoint write it waits until the write ends, so the line is exact."""
+    if _interrupt['defer']:
+        _interrupt['pending'] = True
+        return
+    ckpt = os.path.join(out_dir, 'ckpt.pt')
+    if eval_only:
+        msg = "interrupted (eval_only: nothing was written)"
+    elif not training:
+        for fn in _cleanups:  # undo what the start created (an out_dir holding only the lock)
+            fn()
+        msg = "interrupted before training started; " + (
+            f"nothing was changed: the same command resumes from {ckpt}" if init_from == 'resume'
+            else "no checkpoint was written: run the same command again")
+    elif resume_iter is None:
+        msg = (f"interrupted at iteration {iter_num}, before the first checkpoint: nothing to resume; "
+               f"run the same command again")
+    else:
+        lost = iter_num - resume_iter
+        msg = (f"interrupted at iteration {iter_num}; a resume (--init_from=resume) starts from iteration "
+               f"{resume_iter}, the last checkpoint ({ckpt})"
+               + (f": {lost} iteration{'s' if lost > 1 else ''} will run again" if lost > 0 else ''))
+    if int(os.environ.get('RANK', 0)) == 0:
+        print(msg, flush=True)
+    sys.exit(130)
+
+
+signal.signal(signal.SIGINT, on_interrupt)
+
+
 def lock_out_dir(out_dir):
     """An exclusive flock on out_dir/train.lock, held until the process ends (the kernel
     releases it on any exit, kill -9 included): two runs never write one out_dir. The file
@@ -145,6 +181,7 @@ def lock_out_dir(out_dir):
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
+        time.sleep(0.2)  # a holder that has just taken the lock writes its pid next
         f.seek(0)
         other = f.read().strip() or '?'
         f.close()
@@ -164,6 +201,46 @@ def lock_out_dir(out_dir):
     return f
 
 
+def pid_alive(pid):
+    """Whether a process other than this one runs with that pid."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only checks
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except (OverflowError, ValueError):  # no such pid can exist
+        return False
+    return True
+
+
+def remove_stale_temp(out_dir):
+    """Removes the partial files (NAME.<pid>.tmp, atomic_write's) that a process killed mid-write
+    left in out_dir, one line for those removed; a file of a process still alive is kept
+    (named in one line). Called with the lock held: no other train.py writes out_dir."""
+    removed, kept = [], []
+    for name in sorted(os.listdir(out_dir)):
+        base, _, rest = name.rpartition('.')[0].rpartition('.')
+        if not (name.endswith('.tmp') and rest.isdigit() and base in OUT_FILES):
+            continue
+        pid = int(rest)
+        if pid_alive(pid):
+            kept.append(f"{name} (pid {pid} is running)")
+        else:
+            path = os.path.join(out_dir, name)
+            removed.append(f"{name} ({os.path.getsize(path) / 1e6:,.1f} MB)")
+            os.remove(path)
+    if removed and int(os.environ.get('RANK', 0)) == 0:
+        print(f"removed {len(removed)} partial file{'s' if len(removed) > 1 else ''} that a killed run left "
+              f"mid-write in {out_dir}: {', '.join(removed)}", flush=True)
+    if kept:
+        print(f"note: kept {', '.join(kept)} in {out_dir}: remove it once that process has ended", flush=True)
+
+
+# the files a run writes in out_dir (each through atomic_write, or a hard link, via NAME.<pid>.tmp)
+OUT_FILES = ('ckpt.pt', 'ckpt_best.pt', 'ckpt_nonfinite.pt', 'metrics.jsonl', 'summary.json')
 # keys that belong to this invocation, not to the run: a resume never takes them from the checkpoint
 RUN_CONTROL_KEYS = ('out_dir', 'init_from', 'eval_only', 'stop_iter', 'device', 'compile', 'backend', 'fsdp',
                     'dist_timeout')
@@ -176,6 +253,7 @@ ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 _out_lock = None
 if int(os.environ.get('RANK', 0)) == 0 and not eval_only:  # rank 0 writes out_dir; it alone holds the lock
     _out_lock = lock_out_dir(out_dir)
+    remove_stale_temp(out_dir)
 checkpoint = None
 if init_from == 'resume':
     if not os.path.exists(ckpt_path):
@@ -190,6 +268,7 @@ if init_from == 'resume':
     if _missing:
         fail(f"{ckpt_path} lacks {', '.join(_missing)}: not a whole train.py checkpoint; restore a good copy "
              f"or start fresh in another --out_dir")
+    resume_iter = checkpoint['iter_num']
     # the run's own settings, except those this command line (or a config file) sets: a resume
     # continues the run in out_dir whatever defaults the script has now
     _saved = {k: v for k, v in checkpoint['model_args'].items() if k in MODEL_KEYS}  # without a config: resolved
@@ -268,6 +347,38 @@ def print0(*args, **kwargs):
     if master:
         print(*args, **kwargs, flush=True)
 
+
+def out_of_memory(exc):
+    """(the out-of-memory error in exc or in its chain of causes, whether compilation raised it):
+    torch.compile wraps what its backend raises (BackendCompilerFailed.inner_exception); (None,
+    False) for another error."""
+    compiling, seen = False, set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        compiling = compiling or type(exc).__module__.startswith(('torch._dynamo', 'torch._inductor'))
+        if isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError)
+                                                        and 'out of memory' in str(exc).lower()):
+            return exc, compiling
+        exc = getattr(exc, 'inner_exception', None) or exc.__cause__ or exc.__context__
+    return None, False
+
+
+def oom_hook(kind, value, tb, default=sys.excepthook):
+    """An out-of-memory error at any point (building, planning, compiling, training, evaluating):
+    one line naming the config, the micro-batch and the fix, on every rank that ran out."""
+    oom, compiling = out_of_memory(value)
+    if oom is None:
+        return default(kind, value, tb)
+    import cost
+    from types import SimpleNamespace
+    shape = SimpleNamespace(residual=residual, n_layer=n_layer, n_embd=n_embd)  # the run's (a resume: the checkpoint's)
+    config_file = next((a for a in sys.argv[1:] if not a.startswith('--')), None)
+    msg = cost.oom_message(shape, batch_size, block_size, gradient_accumulation_steps * world_size,
+                           'compiling' if compiling else None, config_file)
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+sys.excepthook = oom_hook
 
 if device_type == 'cpu':  # say so up front: a GPU-sized model takes minutes to build here, and more to evaluate
     _d, _L, _V = n_embd, n_layer, vocab_size or 50280
@@ -444,9 +555,9 @@ else:
 if model_args['vocab_size'] < meta.get('vocab_size', 0):  # token ids past the embedding: an IndexError mid-run
     fail(f"the model's vocab_size={model_args['vocab_size']} is smaller than the data's ({meta['vocab_size']}, "
          f"{meta_path}): use the data the model was made for, or a vocab_size >= {meta['vocab_size']}")
-# token ids past the embedding: an IndexError mid-run (a device assert on a GPU). The held-out
-# split is small: always checked; train.bin only without meta.json (one pass, in chunks)
-for _path in (val_path,) + (() if 'vocab_size' in meta else (train_path,)):
+# token ids past the embedding: an IndexError mid-run (a device assert on a GPU). Both splits,
+# whatever meta.json says (a file may hold other data than its meta.json): one pass, in chunks
+for _path in (val_path, train_path):
     _data = open_tokens(_path)
     _max_id = max(int(_data[i:i + 2**26].max()) for i in range(0, len(_data), 2**26))
     if _max_id >= model_args['vocab_size']:
@@ -471,16 +582,19 @@ except (ValueError, fastpath.FastPathMismatch) as e:
     fail(str(e))
 print0(fastpath.describe(fast_paths))
 
-if auto_batch or device_type == 'cuda':  # the predicted peak memory, and the micro-batch that fits it
+if auto_batch and fsdp:
+    fail("auto_batch=True plans an unsharded model: drop --fsdp=True, or set --batch_size yourself")
+if auto_batch or (device_type == 'cuda' and not fsdp):  # the predicted peak memory, and the micro-batch that fits
     import cost
     device_bytes = memory_gib * 2**30 if memory_gib else \
         torch.cuda.get_device_properties(device).total_memory if device_type == 'cuda' else None
+    if auto_batch and device_bytes is None:
+        fail("auto_batch=True needs the device's memory: give --memory_gib=... off CUDA")
+    _t = time.time()  # the model as it will run: its fast paths, and (compile) inductor's partition of the regions
     mem = cost.train_memory(raw_model.config, batch_size, block_size, device, dtype, model=raw_model,
-                            compiled=compile)
-    print0(cost.format_memory(mem, device_bytes))
+                            fast=fast_paths, compiled=compile)
+    print0(cost.format_memory(mem, device_bytes) + f" [probed in {time.time() - _t:.0f} s]")
     if auto_batch:
-        if device_bytes is None or fsdp:
-            fail("auto_batch=True needs the device's memory (--memory_gib=... off CUDA) and no FSDP")
         per_seq = mem['per_sequence']
         try:
             batch_size, gradient_accumulation_steps = cost.auto_micro_batch(
@@ -492,17 +606,6 @@ if auto_batch or device_type == 'cuda':  # the predicted peak memory, and the mi
         print0(f"auto_batch: micro-batch {batch_size}, gradient_accumulation_steps {gradient_accumulation_steps}")
 
 
-def oom_hook(kind, value, tb, default=sys.excepthook):
-    """An out-of-memory error anywhere: one line naming the config, the micro-batch and the fix."""
-    if issubclass(kind, torch.OutOfMemoryError):
-        import cost
-        print(f"error: {cost.oom_message(raw_model.config, batch_size, block_size, gradient_accumulation_steps)}",
-              file=sys.stderr)
-    else:
-        default(kind, value, tb)
-
-
-sys.excepthook = oom_hook
 if learning_rate is None:
     learning_rate = RESIDUALS[model.config.residual].peak_lr
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * block_size
@@ -519,22 +622,25 @@ print0(f"peak lr {learning_rate:g}, warmup {warmup_iters} iters, cosine to {min_
        f"device {device}, dtype {dtype}, compile {compile}")
 
 if fsdp:  # shard before the optimizer is built: FSDP2 replaces the parameters by DTensors
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # F.linear returns a view for (B, T, d) inputs; FSDP2 warns in case the caller edits it in
     # place. No scheme does (residual updates are out of place: x = x + f), so the warning is noise.
     warnings.filterwarnings('ignore', message='FSDP2-wrapped module')
     mp = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
-    for blk in raw_model.blocks:  # the schemes call the branches, not Block.forward: shard each branch
-        for branch in (blk.attn, blk.mlp):
-            fully_shard(branch, mp_policy=mp)
-        for method in ('qkv', 'out'):  # called directly by schemes that extend attention (MoDA)
-            register_fsdp_forward_method(blk.attn, method)
+    # one unit per branch, so that each weight is gathered once per forward and once per backward.
+    # The schemes call the branches, not Block.forward, and MoDA calls attn.qkv and attn.out apart
+    # (its depth keys sit between them): the attention's unit is its four projections as one group,
+    # gathered when the first runs and freed when all four have, however the scheme calls them.
+    for blk in raw_model.blocks:
+        a = blk.attn
+        fully_shard([a.wq, a.wk, a.wv, a.wo], mp_policy=mp)
+        fully_shard(blk.mlp, mp_policy=mp)
     fully_shard(raw_model, mp_policy=mp)
     autocast = nullcontext()  # FSDP2 casts the parameters itself
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), 1e-8, device_type, decay_on)
 # fp16 gradients underflow without loss scaling; for bf16 and fp32 the scaler is a no-op
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
-iter_num, best_val_loss = 0, float('inf')
+iter_num, best_val_loss, best_iter = 0, float('inf'), None  # best_iter: the iteration of ckpt_best.pt's state
 if checkpoint is not None:
     if fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -547,6 +653,7 @@ if checkpoint is not None:
             fail(f"the optimizer state in {ckpt_path} does not fit the model ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:150]}): restore a good copy")
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint.get('best_val_loss', float('inf'))
+    best_iter = checkpoint.get('best_iter')
     if checkpoint.get('scaler'):
         scaler.load_state_dict(checkpoint['scaler'])
     train_loader.load_state_dict(checkpoint['loader'])
@@ -584,21 +691,41 @@ def get_lr(it):
     return learning_rate * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def eval_batches():
+    """(B, n, chunks): evaluation scores n batches of B chunks of block_size+1 tokens from the start of
+    val.bin: B = batch_size and n = eval_iters, or, when val.bin holds fewer chunks than that
+    (the embedded sample's split holds 12 of 2,049 tokens), every chunk it has, in batches of
+    at most batch_size."""
+    chunks = len(open_tokens(val_path)) // (block_size + 1)
+    B = min(batch_size, chunks)
+    return B, min(eval_iters, chunks // B), chunks
+
+
+_eval_said = []  # the line about a small validation split is said once
+
+
 @torch.no_grad()
 def estimate_val_loss(progress=False):
     """Mean next-token cross-entropy (nats) over the first eval_iters x batch_size chunks
-    of val.bin (the same chunks every time, whatever the number of processes; fewer if
-    val.bin is smaller). Batch k (chunks [k B, (k+1) B)) is scored by rank k mod world.
+    of val.bin (the same chunks every time, whatever the number of processes; all of them, in
+    smaller batches if need be, if val.bin is smaller: `eval_batches`, said in one line).
+    Batch k (chunks [k B, (k+1) B)) is scored by rank k mod world.
     progress: a progress bar on rank 0 (stderr) if the evaluation takes more than 2 s."""
     from tqdm import tqdm
+    B, n, chunks = eval_batches()
+    if chunks < eval_iters * batch_size and not _eval_said:
+        _eval_said.append(True)
+        print0(f"evaluation: {val_path} holds {chunks:,} sequences of {block_size + 1:,} tokens, fewer than "
+               f"eval_iters x batch_size = {eval_iters} x {batch_size}: each evaluation scores {n} batch"
+               f"{'es' if n > 1 else ''} of {B} ({B * n * block_size:,} tokens); a real run prepares FineWeb-Edu "
+               f"first (docs/training.md)")
     model.eval()
-    loader = TokenLoader(val_path, batch_size, block_size, shuffle=False)  # one stream: step k = batch k
-    n = min(eval_iters, loader.n_chunks // batch_size)
+    loader = TokenLoader(val_path, B, block_size, shuffle=False)  # one stream: step k = batch k
     total = torch.zeros(2, device=device)
     for i in tqdm(range(math.ceil(n / world_size)), desc='evaluating', unit='batch', leave=False, delay=2,
                   disable=not (progress and master)):  # every rank runs as many forwards (FSDP gathers in each)
         k = i * world_size + rank
-        loader.pos = (k if k < n else 0) * batch_size  # past the end: a forward that counts for nothing
+        loader.pos = (k if k < n else 0) * B  # past the end: a forward that counts for nothing
         x, y = loader.next_batch()
         with autocast:
             _, loss = model(x, y)
@@ -690,15 +817,28 @@ def save_checkpoint(path, evaluated=True, best=False):
     position and RNG states, whether the state at this iteration has been evaluated
     (a resume then skips that evaluation) and its losses. Written atomically (atomic_write):
     a crash or a full disk mid-write leaves the previous checkpoint whole. best: also keep
-    it as ckpt_best.pt (a hard link: no second copy on disk)."""
+    it as ckpt_best.pt (a hard link: no second copy on disk). A Ctrl-C waits for the end."""
+    global resume_iter
     model_state, opt_state = full_state('model'), full_state('optimizer')  # collective under FSDP
     if not master:
         return
+    _interrupt['defer'] = True
+    try:
+        _write_checkpoint(path, model_state, opt_state, evaluated, best)
+        if path == ckpt_path:
+            resume_iter = iter_num
+    finally:
+        _interrupt['defer'] = False
+    if _interrupt['pending']:
+        on_interrupt(signal.SIGINT, None)
+
+
+def _write_checkpoint(path, model_state, opt_state, evaluated, best):
     rng = {'torch': torch.get_rng_state()}
     if device_type == 'cuda':
         rng['cuda'] = torch.cuda.get_rng_state()
     ckpt = {'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config),
-            'config': config, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
+            'config': config, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'best_iter': best_iter,
             'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated,
             'val_loss': val_loss, 'train_loss': lossf,
             'tokenizer': meta.get('tokenizer')}  # sample.py decodes with it (None: data without meta.json)
@@ -758,6 +898,17 @@ if master and not eval_only and init_from == 'resume' and os.path.exists(metrics
         atomic_write(metrics_path, lambda tmp: write_bytes(tmp, ''.join(rows).encode()))
     except OSError as e:
         write_failed(metrics_path, e)
+elif master and not eval_only and init_from == 'scratch' and os.path.exists(metrics_path) \
+        and os.path.getsize(metrics_path):
+    # a new run where an earlier one stopped before its first checkpoint (killed, or a NaN):
+    # its rows go aside, so that metrics.jsonl never holds two runs' histories as one
+    _k = 1
+    while os.path.exists(os.path.join(out_dir, f'metrics_old{_k}.jsonl')):
+        _k += 1
+    _old = os.path.join(out_dir, f'metrics_old{_k}.jsonl')
+    os.replace(metrics_path, _old)
+    print0(f"note: {metrics_path} held the rows of an earlier run that left no checkpoint to resume: "
+           f"moved to {_old}")
 wandb_run = None
 if wandb_log and master and not eval_only:
     try:
@@ -819,15 +970,6 @@ if eval_only:
     sys.exit(0)
 
 
-def on_interrupt(signum, frame):
-    """Ctrl-C: one line instead of a traceback. Checkpoints are written atomically, so the last
-    one is whole whatever the moment of the interrupt."""
-    where = (f"continue from {ckpt_path} with --init_from=resume" if os.path.exists(ckpt_path)
-             else "no checkpoint was written yet")
-    print0(f"interrupted at iteration {iter_num}; {where}")
-    sys.exit(130)
-
-
 def stop_nonfinite(what):
     """A non-finite loss or gradient: keep the state for a diagnosis in ckpt_nonfinite.pt,
     never in ckpt.pt (the last good checkpoint stays), and stop with one line."""
@@ -839,7 +981,17 @@ def stop_nonfinite(what):
 
 
 SPIKE_RATIO = 1.5  # warn when the validation loss exceeds this x its best so far (a divergence)
-signal.signal(signal.SIGINT, on_interrupt)
+
+
+def best_state_note():
+    """Where the run's best state is, for the lines of a run worse than its best."""
+    path = os.path.join(out_dir, 'ckpt_best.pt')
+    if not os.path.exists(path):
+        return "the best state was not kept (no ckpt_best.pt)"
+    return "the best state is in ckpt_best.pt" + (f" (iteration {best_iter})" if best_iter is not None else '')
+
+
+training = True  # a Ctrl-C from here on names the iteration a resume starts from
 model.train()
 t0 = time.time()
 val_loss = lossf = None
@@ -859,14 +1011,17 @@ while True:
         print0(f"iter {iter_num}: val loss {val_loss:.4f}")
         if not math.isfinite(val_loss):  # non-finite weights: never over the last good checkpoint
             stop_nonfinite(f"non-finite validation loss {val_loss}")
-        if val_loss > SPIKE_RATIO * best_val_loss:
-            print0(f"warning: val loss {val_loss:.4f} is {val_loss / best_val_loss:.1f}x its best "
-                   f"({best_val_loss:.4f}): the run may be diverging; ckpt_best.pt keeps the best state")
         is_best = val_loss < best_val_loss
-        best_val_loss = min(best_val_loss, val_loss)
+        if is_best:
+            best_val_loss, best_iter = val_loss, iter_num
         log_metrics({'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'val_loss': val_loss, 'lr': lr})
         if iter_num > 0:
             save_checkpoint(ckpt_path, best=is_best)
+        elif is_best:  # the initial state: kept as ckpt_best.pt only (a run that gets worse keeps it)
+            save_checkpoint(os.path.join(out_dir, 'ckpt_best.pt'))
+        if val_loss > SPIKE_RATIO * best_val_loss:
+            print0(f"warning: val loss {val_loss:.4f} is {val_loss / best_val_loss:.1f}x its best "
+                   f"({best_val_loss:.4f}): the run may be diverging; {best_state_note()}")
         t0 = time.time()  # evaluation time is not training time
     if iter_num == max_iters:
         break
@@ -928,7 +1083,7 @@ while True:
 if iter_num == max_iters and master:
     best_path = os.path.join(out_dir, 'ckpt_best.pt')
     summary = {'finished': True, 'iter': iter_num, 'max_iters': max_iters, 'val_loss': val_loss,
-               'best_val_loss': best_val_loss, 'train_loss': lossf,
+               'best_val_loss': best_val_loss, 'best_iter': best_iter, 'train_loss': lossf,
                'best_ckpt': best_path if os.path.exists(best_path) else None,
                'n_params': n_params, 'tokens': iter_num * tokens_per_iter, 'config': config,
                'model_args': asdict(raw_model.config)}
@@ -937,10 +1092,11 @@ if iter_num == max_iters and master:
         atomic_write(_summary_path, lambda tmp: write_bytes(tmp, json.dumps(summary, indent=1).encode()))
     except OSError as e:
         write_failed(_summary_path, e)
-    spiked = val_loss is not None and val_loss > SPIKE_RATIO * best_val_loss
+    worse = val_loss is not None and val_loss > best_val_loss
     print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens"
-           + (f" (warning: {val_loss / best_val_loss:.1f}x the best {best_val_loss:.4f}; the best state is "
-              f"in ckpt_best.pt)" if spiked else ''))
+           + (f" (warning: {val_loss / best_val_loss:.1f}x the best {best_val_loss:.4f}; {best_state_note()})"
+              if worse and val_loss > SPIKE_RATIO * best_val_loss else
+              f" (the best was {best_val_loss:.4f}; {best_state_note()})" if worse else ''))
 if wandb_run is not None:
     wandb_run.finish()
 shutdown()
