@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
@@ -63,6 +62,7 @@ def probe_json(run, root=ROOT):
 def probe_missing(root=ROOT, seeds=3):
     """Runs probe.py on every deepest checkpoint whose probe.json lacks a metric (probe.py
     keeps what an earlier probe.json holds). Returns the (name, reason) of failures."""
+    from study import sweep
     failures = []
     for k, run in deepest_runs(root, seeds):
         have = _read(probe_json(run, root)) or {}
@@ -72,7 +72,7 @@ def probe_missing(root=ROOT, seeds=3):
         cmd = [sys.executable, 'probe.py', f'--ckpt={os.path.join(run.out_dir, "ckpt.pt")}',
                f'--metrics={",".join(todo)}', *PROBE_ARGS]
         print(f"probe: {' '.join(cmd[1:])}", flush=True)
-        if subprocess.run(cmd, cwd=root).returncode != 0:
+        if sweep.run_command(cmd, root) != 0:
             failures.append((run.name, 'probe.py failed'))
     return failures
 
@@ -305,7 +305,7 @@ def report(results, out_dir):
         plot_probes(results, written[1])
     for p in written:
         if os.path.exists(p):
-            print(f"wrote {os.path.relpath(p, ROOT)}")
+            print(f"wrote {p}")
 
 
 def main(argv=None):

@@ -641,15 +641,15 @@ def main(argv):
     if opts['family'] == 'mini':  # the mini study: probes of every seed's deepest models, the paper's table
         from study import mini
         if opts['probe'] and opts['run'] == 'local':
-            failures += mini.probe_missing(seeds=n_seeds)
-        rows = read_all('mini', seeds=n_seeds)
+            failures += mini.probe_missing(ROOT, n_seeds)
+        rows = read_all('mini', ROOT, n_seeds)
         if opts['plot_only'] and not any(r['status'] == 'finished' for r in rows) \
                 and os.path.exists(os.path.join(ROOT, mini.RESULTS)):
             print(f"no finished run in out/mini: reading the committed {mini.RESULTS}")
             mini.report(mini._read(os.path.join(ROOT, mini.RESULTS)), os.path.join(ROOT, 'out', 'mini'))
         else:
-            results = mini.collect(seeds=n_seeds)
-            collect('mini', seeds=n_seeds)
+            results = mini.collect(ROOT, n_seeds)
+            collect('mini', ROOT, n_seeds)
             os.makedirs(os.path.join(ROOT, 'out', 'mini'), exist_ok=True)
             with open(os.path.join(ROOT, 'out', 'mini', 'study.json'), 'w') as f:
                 json.dump(results, f, indent=1)

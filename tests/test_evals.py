@@ -129,7 +129,7 @@ def test_encode_pair_moves_trailing_whitespace():
 
 
 def test_encode_pair_gpt2():
-    tok = pytest.importorskip('tokenizer')
+    tok = pytest.importorskip('data.tokenizer')
     enc = tok.get_tokenizer('gpt2')
     ctx, cont = evals.encode_pair(enc, "Question: What is the capital of France?\nAnswer: ", "Paris")
     assert ctx == enc.encode("Question: What is the capital of France?\nAnswer:")

@@ -25,7 +25,8 @@ TRAIN_KEYS = {
     'out_dir', 'eval_interval', 'log_interval', 'eval_iters', 'init_from', 'dataset',
     'gradient_accumulation_steps', 'batch_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head',
     'n_embd', 'ffn_hidden', 'residual', 'learning_rate', 'max_iters', 'tokens_per_param',
-    'weight_decay', 'warmup_frac', 'min_lr_frac', 'device', 'dtype', 'compile', 'seed', 'fsdp',
+    'weight_decay', 'warmup_frac', 'min_lr_frac', 'device', 'dtype', 'compile', 'seed', 'fsdp', 'fast',
+    'attnres_blocks',
 }
 
 # the paper's Table 3: L, d, d/L, backbone (M), total (M), as printed there
@@ -232,8 +233,8 @@ def test_generated_configs_are_in_sync(tmp_path):
     assert (tmp_path / 'config' / 'mini' / 'hc_L8.py').exists()
     for rel in expected:
         repo_file = REPO / rel
-        assert repo_file.exists(), f"{rel} missing: run `python families.py`"
-        assert repo_file.read_text() == (tmp_path / rel).read_text(), f"{rel} out of sync: run `python families.py`"
+        assert repo_file.exists(), f"{rel} missing: run `python study/families.py`"
+        assert repo_file.read_text() == (tmp_path / rel).read_text(), f"{rel} out of sync: run `python study/families.py`"
     on_disk = {p.relative_to(REPO).as_posix() for p in _config_files()}
     stale = {rel for rel in on_disk if families.GENERATED_MARK in (REPO / rel).read_text()} - expected
     assert not stale, f"generated config files no family defines: {sorted(stale)}"
@@ -282,7 +283,8 @@ def test_every_config_file_executes_with_known_keys():
             assert keys <= set(defaults), f"{path}: keys not in train.py: {keys - set(defaults)}"
             for k in keys:  # the configurator's rule: same type as train.py's default
                 if defaults[k] is not None:
-                    ok = isinstance(ns[k], type(defaults[k])) or (type(defaults[k]) is float and type(ns[k]) is int)
+                    ok = isinstance(ns[k], type(defaults[k])) or (type(defaults[k]) is float and type(ns[k]) is int) \
+                        or (k == 'fast' and isinstance(ns[k], bool))  # fast: 'auto' | True | False
                     assert ok, f"{path}: {k} = {ns[k]!r}, train.py's default is {defaults[k]!r}"
 
 
@@ -301,6 +303,6 @@ def test_help_prints_usage_and_writes_nothing():
     import sys
     from pathlib import Path
     repo = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, 'families.py', '--help'], cwd=repo, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, 'study/families.py', '--help'], cwd=repo, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith('usage: python families.py [--check]')
     assert 'wrote' not in r.stdout and 'unknown' not in r.stdout + r.stderr

@@ -1,4 +1,4 @@
-"""plot.py on metrics files the test writes: the figure shows exactly the logged values (the
+"""tools/plot.py on metrics files the test writes: the figure shows exactly the logged values (the
 loss and LR curves, the first/last gradient ratio, the block x step heatmaps), one run or
 several, and bad inputs are one line. Run: python -m pytest tests/test_plot.py -q"""
 
@@ -71,7 +71,7 @@ def test_several_runs_overlay_and_share_colour_scales(tmp_path):
 
 def test_cli_default_output_and_one_line_errors(tmp_path):
     run = write_run(tmp_path / 'r')
-    r = subprocess.run([sys.executable, 'plot.py', str(run)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, 'tools/plot.py', str(run)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and (run / 'metrics.png').exists(), r.stderr
     (tmp_path / 'empty').mkdir()
     (tmp_path / 'empty' / 'metrics.jsonl').write_text('')

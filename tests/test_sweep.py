@@ -83,6 +83,7 @@ def test_skip_resume_start_commands(repo, monkeypatch):
     assert [c for c, _ in rec.calls] == [
         [py, 'train.py', 'config/mini/attnres_L2.py', '--init_from=resume', '--eval_iters=2', '--betas=(0.9,0.95)'],
         [py, 'train.py', 'config/mini/hc_L2.py', '--eval_iters=2', '--betas=(0.9,0.95)'],
+        [py, 'train.py', 'config/mini/mhc_L2.py', '--eval_iters=2', '--betas=(0.9,0.95)'],
     ]
     assert all(cwd == str(repo) for _, cwd in rec.calls)
     # a second sweep has nothing left to do
@@ -104,20 +105,20 @@ def test_failures_do_not_stop_the_sweep(repo, monkeypatch, capsys):
     res = json.loads((repo / 'out' / 'mini' / 'results.json').read_text())
     status = {r['name']: r['status'] for r in res['runs']}
     assert status['preln_L4'] == 'finished' and status['attnres_L4'] == 'missing'
-    # the mini family then probes the deepest shape's finished checkpoints side by side
-    assert len(rec.probes) == 1
-    probe = rec.probes[0]
-    assert probe[probe.index('--compare') + 1:][:2] == ['out/mini/preln_L4/ckpt.pt', '--out_dir=out/mini/probe_L4']
+    # the mini family probes the L = 8 checkpoints of every seed: none finished here
+    assert rec.probes == []
 
 
 def test_probe_step_can_be_turned_off(repo, monkeypatch):
     rec = Recorder(repo)
     monkeypatch.setattr(sweep, 'run_command', rec)
-    assert sweep.main(['family=mini', 'schemes=preln,hc', 'shapes=2', 'probe=False']) == 0
+    assert sweep.main(['family=mini', 'schemes=preln,hc', 'shapes=8', 'probe=False']) == 0
     assert len(rec.calls) == 2 and rec.probes == []
-    assert sweep.main(['family=mini', 'schemes=preln,hc', 'shapes=2']) == 0  # all finished: probe only
-    assert len(rec.calls) == 2 and len(rec.probes) == 1
-    assert [a for a in rec.probes[0] if a.endswith('ckpt.pt')] == ['out/mini/preln_L2/ckpt.pt', 'out/mini/hc_L2/ckpt.pt']
+    assert sweep.main(['family=mini', 'schemes=preln,hc', 'shapes=8']) == 0  # all finished: probe only
+    assert len(rec.calls) == 2
+    # one probe.py per deepest checkpoint (every seed of every mini scheme that finished)
+    assert sorted(a for c in rec.probes for a in c if a.startswith('--ckpt=')) == \
+        ['--ckpt=out/mini/hc_L8/ckpt.pt', '--ckpt=out/mini/preln_L8/ckpt.pt']
 
 
 def test_exit_zero_without_summary_is_a_failure(repo, monkeypatch):
@@ -244,7 +245,7 @@ def test_plot_only_cli(repo, capsys):
     _write_summary(repo, 'out/mini/preln_L2', 1.7)
     assert sweep.main(['family=mini', 'plot_only=True']) == 0
     assert (repo / 'out' / 'mini' / 'loss_vs_ratio.png').exists()
-    assert '1 finished, 0 unfinished, 8 missing' in capsys.readouterr().out
+    assert '1 finished, 0 unfinished, 13 missing' in capsys.readouterr().out
 
 
 # -----------------------------------------------------------------------------
@@ -300,7 +301,7 @@ def test_seed_summary_mean_and_standard_error(tmp_path):
     assert p['n_seeds'] == 3 and p['mean'] == pytest.approx(1.82)
     assert p['se'] == pytest.approx(0.02 / math.sqrt(3))  # sample std 0.02 over sqrt(3)
     assert summ[('hc', 4)]['se'] == pytest.approx(0.04) and summ[('attnres', 4)]['se'] is None
-    assert ('preln', 8) not in summ and len(rows) == 9 + 2 + 1 + 1
+    assert ('preln', 8) not in summ and len(rows) == 14 + 2 + 1 + 1
     table = sweep.format_summary(rows)
     assert '| 4 (32) | 1.820 ± 0.012 (3) | 1.740 ± 0.040 (2) | 1.750 (1) |' in table
     assert 'L = 4: best hc; others preln +0.080 ± 0.042' in table

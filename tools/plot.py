@@ -5,8 +5,8 @@ train.py logs every log_interval steps (the gradient norm of each block's parame
 the RMS of each block's output state, as block x step heatmaps, and the ratio of the first
 block's gradient norm to the last's). One PNG.
 
-$ python plot.py out/cpu_attnres                      # -> out/cpu_attnres/metrics.png
-$ python plot.py out/cpu_preln out/cpu_attnres --out=compare.png
+$ python tools/plot.py out/cpu_attnres                      # -> out/cpu_attnres/metrics.png
+$ python tools/plot.py out/cpu_preln out/cpu_attnres --out=compare.png
 
 A ratio far above 1 means the early blocks get much larger gradients than the late ones
 (the Pre-LN pattern of late blocks that learn little); far below 1, the reverse.
