@@ -3,9 +3,9 @@ Depth-utilization diagnostics and evaluations of DepthBench (Sec. 4 of the paper
 2609.32534, Eqs. 2–10, Figs. 4–11), for every residual scheme; the conventions are in docs/probes.md.
 
     python probe.py --ckpt=out/mini/preln_L4/ckpt.pt                       # every metric
-    python probe.py --ckpt=out/hc_L32/ckpt.pt --metrics=angular,causal,permutation
+    python probe.py --ckpt=out/main/hc_L32/ckpt.pt --metrics=angular,causal,permutation
     python probe.py --ckpt=out/mini/hc_L4/ckpt.pt --n_windows=8 --seq_len=128 --arc_limit=200
-    python probe.py --compare out/preln_L32/ckpt.pt out/attnres_L32/ckpt.pt out/hc_L32/ckpt.pt \\
+    python probe.py --compare out/main/preln_L32/ckpt.pt out/main/attnres_L32/ckpt.pt out/main/hc_L32/ckpt.pt \\
                     --out_dir=out/compare_L32
 
 writes probe.json and one PNG per figure into --out_dir (default: probe/ next to the
@@ -24,7 +24,7 @@ Metrics (--metrics=all or a comma list):
     prune          ARC-Easy acc / acc_norm with each block skipped, Fig. 8 left
     propagation    HC/mHC stream-mixing product: erank, mean |cos|, spectrum, Fig. 10, Eqs. 9-10
     domain_nll     completion NLL on coding / STEM / math, Fig. 4
-    jacobian       ||J_l - I||_F / sqrt(D) of each block's map, random-probe estimate (analysis.py)
+    jacobian       ||J_l - I||_F / sqrt(D) of each block's map, random-probe estimate (probes/analysis.py)
     usefulness     each block replaced by its least-squares linear stand-in: loss ratio, share > 10%
     token_collapse stable rank, entropy effective rank, L1/L2 of the singular values of each depth state
     prune_lm       held-out LM loss with each block skipped, ± s.e. over windows
@@ -32,8 +32,8 @@ Metrics that do not apply to a scheme (propagation for Pre-LN) are skipped with 
 
 Interventions reuse prefixes: a skipped, swapped or dropped block leaves every block before
 it unchanged, so the clean run's state after the shared prefix is kept and continued for
-each variant (`PrefixRunner`, `run_from`; STYLE.md, TransformerLens' start_at_layer).
-bench_probe.py times it against naive re-runs.
+each variant (`PrefixRunner`, `run_from` in probes/runs.py; TransformerLens' start_at_layer).
+probes/bench.py times it against naive re-runs.
 """
 
 import argparse
@@ -667,7 +667,7 @@ def propagation_stats(model, windows, batch_size=BATCH_SIZE, n_boot=1000, seed=0
     return out
 
 # -----------------------------------------------------------------------------
-# evaluations (paper Figs. 4, 8 left; docs/probes.md) through evals.py
+# evaluations (paper Figs. 4, 8 left; docs/probes.md) through probes/evals.py
 
 def _paired_se(a, b):
     # standard error of mean(a - b) over paired units (n - 1 in the variance); NaN for n < 2

@@ -4,9 +4,9 @@ state after the shared prefix is continued for each variant) against naive full 
 (model(idx, order=..., skip=...)), checks that both give the same scores, and prints the
 speed-up.
 
-    python bench_probe.py                                   # Pre-LN, L=12, d=256, CPU
-    python bench_probe.py --residual=attnres --n_layer=16 --device=cuda
-    python bench_probe.py --val_bin=data/fineweb_edu/val.bin --n_windows=12 --seq_len=256
+    python probes/bench.py                                # Pre-LN, L=12, d=256, CPU
+    python probes/bench.py --residual=attnres --n_layer=16 --device=cuda
+    python probes/bench.py --val_bin=data/fineweb_edu/val.bin --n_windows=12 --seq_len=256
 
 Swapping blocks i < j leaves blocks 0..i-1 unchanged, so over all pairs the block work falls
 to sum(L - i) / sum(L) ~ 2/3 of the naive cost (L = 12: 0.72, a 1.38x speed-up); skipping

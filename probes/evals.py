@@ -20,7 +20,7 @@ scored with it. Typical use (probe.py does this):
         res = arc_easy_accuracy(lambda idx: model(idx, order=drop(l)), enc, items, pairs=pairs,
                                 max_len=model.config.block_size)
 
-Run `python evals.py [--tokenizer gpt2] [--eval_dir data/evals]` to print, per prepared task,
+Run `python -m probes.evals [--tokenizer gpt2] [--eval_dir data/evals]` to print, per prepared task,
 the number of examples and answer tokens, and how many pairs exceed common context lengths.
 """
 

@@ -4,9 +4,10 @@ takes a list of probe results (one dict per model, as probe.py writes to probe.j
 returns a matplotlib Figure, or None when no model has that metric; one model gives one
 panel, several give side-by-side heatmaps, overlaid curves or grouped bars.
 
-    import probe, probe_plots
-    probe_plots.plot_all([probe.load_results('out/preln_L32/probe/probe.json'),
-                          probe.load_results('out/hc_L32/probe/probe.json')], 'out/compare')
+    import probe
+    from probes import plots
+    plots.plot_all([probe.load_results('out/main/preln_L32/probe/probe.json'),
+                    probe.load_results('out/main/hc_L32/probe/probe.json')], 'out/compare')
 """
 
 from pathlib import Path

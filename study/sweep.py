@@ -1,15 +1,15 @@
 """
-Sweep runner: train every run of an experiment family (families.py) one after
+Sweep runner: train every run of an experiment family (study/families.py) one after
 another, then collect the results and plot validation loss against shape.
 
-    python sweep.py family=main schemes=preln,attnres,hc               # all their shapes
-    python sweep.py family=main schemes=attnres shapes=16,32           # only L = 16 and 32
-    python sweep.py family=mini                                        # the CPU mini-DepthBench
-    python sweep.py family=mini seeds=3                                # ... with 3 seeds per run
-    python sweep.py family=main extra=--batch_size=8,--gradient_accumulation_steps=64
-    python sweep.py family=main plot_only=True                         # collect + plot only
-    python sweep.py family=main run=print nproc_per_node=8             # print cluster commands
-    python sweep.py family=main shapes=32 probe=True                   # then probe.py --compare at L=32
+    python study/sweep.py family=main schemes=preln,attnres,hc         # all their shapes
+    python study/sweep.py family=main schemes=attnres shapes=16,32     # only L = 16 and 32
+    python study/sweep.py family=mini                                  # the CPU mini-DepthBench
+    python study/sweep.py family=mini seeds=3                          # ... with 3 seeds per run
+    python study/sweep.py family=main extra=--batch_size=8,--gradient_accumulation_steps=64
+    python study/sweep.py family=main plot_only=True                   # collect + plot only
+    python study/sweep.py family=main run=print nproc_per_node=8       # print cluster commands
+    python study/sweep.py family=main shapes=32 probe=True             # then probe.py --compare at L=32
 
 (`--family=main` style works too.) For each run, in table order:
   - out_dir/summary.json says finished  -> skipped;
@@ -31,10 +31,10 @@ summary: mean and standard error over the finished seeds), a printed table of it
   out/cross_scale/loss_vs_size.png val loss vs total parameters, one line per d/L
 
 Single GPU, multi-GPU, multi-node:
-    python sweep.py family=main schemes=attnres                        # 1 GPU each run
-    python sweep.py family=main schemes=attnres nproc_per_node=8       # 8 GPUs of this node,
+    python study/sweep.py family=main schemes=attnres                        # 1 GPU each run
+    python study/sweep.py family=main schemes=attnres nproc_per_node=8       # 8 GPUs of this node,
         # i.e. torchrun --standalone --nproc_per_node=8 train.py config/attnres_L16.py ...
-    python sweep.py family=main run=print nnodes=4 nproc_per_node=8    # commands to paste on
+    python study/sweep.py family=main run=print nnodes=4 nproc_per_node=8    # commands to paste on
         # each of 4 nodes: torchrun --nnodes=4 --node_rank=$NODE_RANK --nproc_per_node=8
         #   --master_addr=$MASTER_ADDR --master_port=29500 train.py config/attnres_L16.py
 gradient_accumulation_steps in the configs is global (train.py divides it by the
@@ -203,7 +203,7 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
         status = run_status(r, root)
         head = f"[{i}/{len(todo)}] {r.name} ({r.out_dir})"
         if not os.path.exists(os.path.join(root, r.config_path)):
-            raise FileNotFoundError(f"{r.config_path} not found: run `python families.py` to generate the configs")
+            raise FileNotFoundError(f"{r.config_path} not found: run `python study/families.py` to generate the configs")
         if status == 'finished':
             print(f"# {head}: finished, skipped", flush=True)
             continue

@@ -1,4 +1,4 @@
-"""convert.py: the study's OLMo-core checkpoints and HuggingFace Llama, both ways; tokenizer.json files.
+"""tools/convert.py: the study's OLMo-core checkpoints and HuggingFace Llama, both ways; tokenizer.json files.
 
 The study's layout is written here from our own model through the inverse mapping, with
 ai2-olmo-core's checkpoint writer when it is importable, else torch.distributed.checkpoint's
@@ -406,6 +406,6 @@ def test_converted_study_run_probes_with_its_tokenizer(tmp_path):
 
 def test_cli_error_is_one_line(tmp_path):
     import subprocess
-    r = subprocess.run([sys.executable, str(ROOT / 'convert.py'), '--from=olmo_core', str(tmp_path),
+    r = subprocess.run([sys.executable, str(ROOT / 'tools' / 'convert.py'), '--from=olmo_core', str(tmp_path),
                         f'--out={tmp_path / "c.pt"}'], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.count('\n') == 1 and r.stderr.startswith('error: ')

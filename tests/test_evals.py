@@ -1,5 +1,5 @@
 """
-Tests of the evaluation sets (data/evals/prepare.py) and their scoring (evals.py).
+Tests of the evaluation sets (data/evals/prepare.py) and their scoring (probes/evals.py).
 
     python -m pytest tests/test_evals.py -q
 

@@ -1,5 +1,5 @@
 """
-Tests of families.py: the parameter formula against the paper's Table 3 and the real
+Tests of study/families.py: the parameter formula against the paper's Table 3 and the real
 model, the derived shapes (fixed backbone, cross-scale, mini), and the generated
 config files (in sync with the tables, loadable by train.py's configurator).
 
@@ -295,7 +295,7 @@ def test_config_file_matches_its_run():
         assert {k: v for k, v in ns.items() if not k.startswith('_')} == r.config
     text = (REPO / 'config' / 'attnres_L32.py').read_text()
     assert "16 x 32 = 512 sequences x 2048 tokens = 1,048,576 tokens per step" in text
-    assert "399,358,848" in text and "python families.py" in text
+    assert "399,358,848" in text and "python study/families.py" in text
 
 
 def test_help_prints_usage_and_writes_nothing():
@@ -304,5 +304,5 @@ def test_help_prints_usage_and_writes_nothing():
     from pathlib import Path
     repo = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, 'study/families.py', '--help'], cwd=repo, capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.startswith('usage: python families.py [--check]')
+    assert r.returncode == 0 and r.stdout.startswith('usage: python study/families.py [--check]')
     assert 'wrote' not in r.stdout and 'unknown' not in r.stdout + r.stderr

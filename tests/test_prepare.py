@@ -1,5 +1,5 @@
 """
-Tests of tokenizer.py and data/fineweb_edu/prepare.py on small corpora written by the
+Tests of data/tokenizer.py and data/fineweb_edu/prepare.py on small corpora written by the
 tests (jsonl, jsonl.gz, parquet), plus one run on ../shared/data when it is present.
 Run: python -m pytest tests/test_prepare.py -q
 """

@@ -1,5 +1,5 @@
 """
-Tests of sweep.py: skip / resume / start decisions and the command lines built for
+Tests of study/sweep.py: skip / resume / start decisions and the command lines built for
 them (the training subprocess is replaced by a recorder), option parsing, and
 collect + plot from fake summary.json / metrics.jsonl files.
 

@@ -3,11 +3,11 @@ Checkpoints in and out of DepthBench's format (a train.py ckpt.pt: {'model': sta
 'model_args': GPTConfig fields, 'config': {'tokenizer': ...}, ...}).
 
     # the study's released OLMo-core checkpoints (any of the ten schemes), a run dir or one step<N>/
-    $ python convert.py --from=olmo_core path/to/attnres-lr2e-3-llama-400M-L32-pretrain --out=out/attnres_L32/ckpt.pt
+    $ python tools/convert.py --from=olmo_core path/to/attnres-lr2e-3-llama-400M-L32-pretrain --out=out/attnres_L32/ckpt.pt
     # any local HuggingFace LlamaForCausalLM directory (MHA or GQA, tied or untied) -> Pre-LN
-    $ python convert.py --from=hf path/to/TinyLlama --out=out/tinyllama/ckpt.pt
+    $ python tools/convert.py --from=hf path/to/TinyLlama --out=out/tinyllama/ckpt.pt
     # a Pre-LN checkpoint -> transformers directory (config.json + model.safetensors)
-    $ python convert.py --to=hf out/preln/ckpt.pt --out=out/preln_hf
+    $ python tools/convert.py --to=hf out/preln/ckpt.pt --out=out/preln_hf
 
 The study's checkpoints (OLMo-core, keyu-wang-2002/DepthBench) are torch.distributed
 checkpoints: <dir>/config.json (the experiment config: 'model', 'dataset', ...) and

@@ -1,6 +1,6 @@
 """
 Prepare the evaluation sets of DepthBench (paper, arXiv 2609.32534, Figs. 4 and 8 left) as one
-normalised jsonl file per task, so that evals.py never needs to know a source schema.
+normalised jsonl file per task, so that probes/evals.py never needs to know a source schema.
 
 Run from the repo root:
 

@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))  # tokenizer.py lives at the repo root
+sys.path.insert(0, str(REPO_ROOT))  # the repo root, for data/tokenizer.py
 from data.tokenizer import TOKENIZERS, check_uint16, get_tokenizer, is_tokenizer_file  # noqa: E402
 
 HUB_DATASET, HUB_CONFIG = 'HuggingFaceFW/fineweb-edu', 'sample-10BT'
