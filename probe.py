@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import fast as fastpath
 from probes import analysis, evals
 from probes.runs import PrefixRunner, batches, ce_sum, clean_states, device_of, flat, run_from, swap_order  # noqa: F401
 from model import GPT, GPTConfig
@@ -79,11 +80,13 @@ DEFAULT_WINDOWS.update({name: a[1] for name, a in analysis.ANALYSES.items()})  #
 # -----------------------------------------------------------------------------
 # checkpoint, tokenizer and token windows
 
-def load_model(ckpt_path, device='cpu'):
+def load_model(ckpt_path, device='cpu', fast=False):
     """Loads a train.py checkpoint {'model': state_dict, 'model_args': GPTConfig fields,
-    'config': train config, 'iter_num', ...} into GPT in eval mode on `device`.
+    'config': train config, 'iter_num', ...} into GPT in eval mode on `device`, with the fast
+    paths `fast` ('auto' | True | False, fast/) in place after their start-up check.
     Returns (model, ckpt) where ckpt is the loaded dict without 'model' and optimizer state.
-    Raises FileNotFoundError for a missing file and ValueError for a truncated or foreign one."""
+    Raises FileNotFoundError for a missing file, ValueError for a truncated or foreign one and
+    fast.FastPathMismatch when a fast path disagrees with residuals.py."""
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} not found; train one with `python train.py CONFIG` "
@@ -105,6 +108,7 @@ def load_model(ckpt_path, device='cpu'):
         raise ValueError(f"checkpoint {path} does not match its model_args ({str(e).splitlines()[0]}); "
                          f"was it written by a different version of model.py / residuals.py?") from None
     model.eval()
+    fastpath.setup(model, fast, device)
     return model, {k: v for k, v in ckpt.items() if k not in ('model', 'optimizer')}
 
 
@@ -782,7 +786,7 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     json_path: where to write the results so far after each metric (None: nowhere).
     Raises ValueError when the held-out tokens or the tokenizer do not fit the model's vocabulary."""
     from data.tokenizer import get_tokenizer
-    model, ckpt = load_model(ckpt_path, args.device)
+    model, ckpt = load_model(ckpt_path, args.device, args.fast)
     cfg, L = model.config, model.config.n_layer
     val_bin = args.val_bin or (str(data_dir_for(ckpt) / 'val.bin') if data_dir_for(ckpt) else None)
     check_tokenizer(ckpt, cfg.vocab_size, val_bin, args.tokenizer)
@@ -1014,6 +1018,8 @@ def main(argv=None):
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu',
                    help="where the model runs (default: cuda if present, else cpu)")
     p.add_argument('--dtype', default=None, choices=['float32', 'bfloat16'], help="default: bfloat16 on cuda")
+    p.add_argument('--fast', default='auto', choices=['auto', 'True', 'False'],
+                   help="fast paths (fast/): auto = on for CUDA, off on the CPU")
     p.add_argument('--n_windows', type=int, default=None, help="override every metric's window count")
     p.add_argument('--seq_len', type=int, default=None, help="override every metric's window length")
     p.add_argument('--batch_size', type=int, default=BATCH_SIZE, help="windows per micro-batch")
@@ -1083,7 +1089,7 @@ def main(argv=None):
         for path in plots.plot_all(all_results, out_dir):
             print(f"wrote {path}")
         return all_results
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, fastpath.FastPathMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

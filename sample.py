@@ -33,8 +33,9 @@ seed = 1337
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:1', ...
 dtype = None  # None = bfloat16 autocast on CUDA (if supported), float32 elsewhere
 tokenizer = None  # None = the one the checkpoint's run was trained with; or 'gpt2', 'byte', ...
+fast = 'auto'  # fast paths (fast/): 'auto' = on for CUDA, off on the CPU; True; False
 # -----------------------------------------------------------------------------
-NONE_TYPES = {'dtype': str, 'tokenizer': str}
+NONE_TYPES = {'dtype': str, 'tokenizer': str, 'fast': (str, bool)}
 
 
 def checkpoint_path(init_from, out_dir):
@@ -95,7 +96,7 @@ def main(argv):
     num_samples samples, each followed by a line of dashes. Returns the list of sample texts
     (prompt included). Raises SystemExit with a one-line message for a bad input."""
     keys = ['init_from', 'out_dir', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'seed',
-            'device', 'dtype', 'tokenizer']
+            'device', 'dtype', 'tokenizer', 'fast']
     g = {k: globals()[k] for k in keys}
     try:
         configure(g, keys, argv, help_text=comments_from_source(__file__), none_types=NONE_TYPES)
@@ -113,7 +114,7 @@ def main(argv):
         raise SystemExit(f"error: device={dev!r} but CUDA is not available here: use --device=cpu")
     path = checkpoint_path(g['init_from'], g['out_dir'])
     try:
-        model, ckpt = load_model(path, device=dev)
+        model, ckpt = load_model(path, device=dev, fast=g['fast'])
         tok_name = g['tokenizer'] or ckpt.get('tokenizer') or tokenizer_name_for(ckpt)
         tok = get_tokenizer(tok_name)
         if tok.n_vocab > model.config.vocab_size:
