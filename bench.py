@@ -16,7 +16,7 @@ What each residual scheme costs in wall-clock time and memory on this machine
     python bench.py --threads=1 ...         # one torch thread: on a CPU shared with other jobs, two
                                             # OpenMP threads on two busy cores are slow and erratic
     python bench.py --suite=compile ...     # cold-cache compile time of the training step against depth
-    python bench.py --suite=gpu             # the one-call check on one GPU (--tiny=True: toy shapes, CPU)
+    python bench.py --suite=gpu             # the staged GPU check, tools/gpu_check.py (--tiny=True: tiny shapes, CPU)
                                             # both: docs/gpu.md
 
 For every scheme: training-step time (forward + backward + AdamW step), prefill
@@ -46,7 +46,6 @@ Results, with the command, versions and hardware, go to `out` as JSON.
 """
 
 import json
-import math
 import os
 import platform
 import statistics
@@ -91,11 +90,14 @@ out = 'out/bench.json'  # results as JSON; '' = do not write
 suite = 'bench'  # 'bench': the timing table above; 'compile': cold compile time vs depth; 'gpu': the one-call GPU check
 compile_layers = '4,8,16,32'  # --suite=compile: the depths L to compile each scheme at
 compile_schemes = 'preln,attnres,blockattnres,hc,mhc,moda'  # --suite=compile: schemes, each at every depth
-tiny = False  # --suite=gpu: toy shapes instead of the 400M ones (the CPU test of the suite)
-gpu_steps = 10  # --suite=gpu: timed training steps per measurement after the first
+tiny = False  # --suite=gpu: tiny shapes instead of the 400M ones (the CPU test of the check)
+gpu_steps = 8  # --suite=gpu: optimizer steps of each train.py stage (the first compiles)
+gpu_out = 'out/gpu_check.jsonl'  # --suite=gpu: one JSON line per stage, appended as each ends (and a .md beside it)
+gpu_budget_s = 480.0  # --suite=gpu: seconds for the whole check
+gpu_limits = ''  # --suite=gpu: stage time limits, e.g. 'headline=200,preln=100' (tools/gpu_check.py LIMITS_S)
+gpu_schemes = 'hc,mhc,blockattnres,moda,sandwich,lns,deepnorm,keel'  # --suite=gpu: the last stage's schemes, while time is left
+gpu_data_dir = None  # --suite=gpu: train.py's --data_dir (None: data/fineweb_edu, the embedded sample prepared on first use)
 compile_steps = 5  # --suite=compile: timed compiled training steps after the first (compiling) one
-unroll_depth_reads = False  # --suite=compile: trace the AttnRes/MoDA reads' loops (ops.UNROLL_DEPTH_READS: compile O(L^2))
-fused_cpu_reads = True  # compiled AttnRes reads on CPU run the fused loops of depth_kernels.cpp (ops.FUSED_CPU_READS); False: their torch form
 
 # Time budget per scheme against Pre-LN: HC/mHC (m streams) and (Block) AttnRes (depth
 # attention over all earlier sublayers) have flat bounds; every other scheme, MoDA included,
@@ -488,10 +490,6 @@ def environment(dev):
     env = dict(python=platform.python_version(), torch=torch.__version__, platform=platform.platform(),
                processor=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
                torch_threads=torch.get_num_threads(), argv=sys.argv)
-    import ops
-    # whether this run's compiled CPU reads had depth_kernels.cpp (loaded at their first call;
-    # asking fused_kernels() here would build it on a GPU machine that never used it)
-    env['fused_cpu_reads'] = ops.FUSED_CPU_READS and ops._kernels.get('ext') is not None
     if dev.type == 'cuda':
         env['gpu'] = torch.cuda.get_device_name(dev)
     return env
@@ -510,17 +508,13 @@ def cpu_seconds():
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 
-def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337, unroll=False, fused=True):
+def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337):
     """Compiles one training step (forward + backward + AdamW) of GPT(**cfg_kw) with
     torch.compile and times it. Run in a fresh process with a fresh inductor cache
     (`compile_suite` does) for a cold-cache number. Returns a dict: compile_s (wall seconds
     of the first step), compile_cpu_s (CPU seconds of it, compiler children included),
     step_ms (median of `steps` later steps), graphs, graph_breaks, recompiles (graphs
-    compiled after the first step). unroll, fused: ops.UNROLL_DEPTH_READS and
-    ops.FUSED_CPU_READS for this process (the kernels are loaded before the clock starts)."""
-    import ops
-    ops.UNROLL_DEPTH_READS, ops.FUSED_CPU_READS = unroll, fused
-    ops.fused_kernels()
+    compiled after the first step)."""
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype_name]
     ctx = nullcontext() if dtype_name == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
     torch.manual_seed(seed_)
@@ -555,20 +549,14 @@ def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337, unroll=False,
     return res
 
 
-def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print, unroll=False,
-                  fused=True):
+def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print):
     """`compile_one` for every scheme at every depth, each in a fresh Python process with a
     fresh, empty inductor cache (TORCHINDUCTOR_CACHE_DIR) and compiling in-process
     (TORCHINDUCTOR_COMPILE_THREADS=1, so compile_cpu_s counts the compiler). Depth-major
     order (every scheme at L = 4, then at 8, ...), so a run cut short still has whole rows.
-    unroll, fused: compile_one's. The fused kernels are built here first, so that no timed
-    process builds them.
     Returns rows {scheme, n_layer, ...compile_one's dict, cpu_vs_preln, step_vs_preln}."""
     import subprocess
     import tempfile
-    import ops
-    ops.FUSED_CPU_READS = fused
-    ops.fused_kernels()
     rows = []
     for L in layers:
         ref = None
@@ -576,7 +564,7 @@ def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threa
             kw = {**cfg_kw, 'n_layer': L, 'residual': name}
             code = (f"import json, torch, bench; torch.set_num_threads({threads_ or 1}); "
                     f"print('RESULT', json.dumps(bench.compile_one({kw!r}, {batch}, {dtype_name!r}, "
-                    f"torch.device({str(dev)!r}), {steps}, unroll={unroll!r}, fused={fused!r})))")
+                    f"torch.device({str(dev)!r}), {steps})))")
             with tempfile.TemporaryDirectory(prefix='inductor_cold_') as cache:
                 env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1',
                        'OMP_NUM_THREADS': str(threads_ or 1)}
@@ -620,190 +608,7 @@ def format_compile_table(rows):
 
 
 # -----------------------------------------------------------------------------
-# --suite=gpu: the one-call check of the headline command on one GPU (docs/gpu.md)
-
-GPU_SCHEMES = ('preln', 'attnres', 'blockattnres', 'hc', 'mhc', 'moda')
-# the shapes of the check: the study's 400M Pre-LN at L = 16 (throughput, MFU) and the main
-# L = 32 shape every scheme is compared at (config/preln_L16.py, config/attnres_L32.py)
-GPU_SHAPES = dict(l16=dict(n_layer=16, n_embd=1216, n_head=16, block_size=2048, vocab_size=50280),
-                  l32=dict(n_layer=32, n_embd=896, n_head=16, block_size=2048, vocab_size=50280))
-GPU_TINY = dict(l16=dict(n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=257),
-                l32=dict(n_layer=3, n_embd=32, n_head=2, block_size=32, vocab_size=257))
-
-
-def timed_steps(model, batch, dev, ctx, steps, compile_, opt=None):
-    """Trains `model` on random tokens: one first (compiling) step, then `steps` timed ones.
-    Returns dict(first_step_s, step_ms (median), loss (last), peak_bytes (CUDA
-    max_memory_allocated over the timed steps, else None))."""
-    cfg = model.config
-    opt = opt or model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device_type=dev.type)
-    fn = torch.compile(model) if compile_ else model
-    g = torch.Generator(device='cpu').manual_seed(0)
-
-    def step():
-        idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g).to(dev)
-        with ctx:
-            _, loss = fn(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    t0 = time.perf_counter()
-    loss = step()
-    sync(dev)
-    first = time.perf_counter() - t0
-    if dev.type == 'cuda':
-        torch.cuda.reset_peak_memory_stats(dev)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        loss = step()
-        sync(dev)
-        times.append(time.perf_counter() - t0)
-    return dict(first_step_s=first, step_ms=statistics.median(times) * 1e3 if times else None,
-                loss=loss.item(), peak_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == 'cuda' else None)
-
-
-def sdpa_null_key_check(dev, dtype_, B, H, T, hd, iters=10):
-    """Which SDPA backends accept MoDA's null-key attention (head dim hd + 1, one extra key)
-    against plain causal attention (head dim hd), and their forward + backward times in ms.
-    Returns dict(backends_plain, backends_null_key: backends that ran, in the dispatcher's
-    order; plain_ms, null_key_ms: time with the default dispatch)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    out = {}
-    for name, d, extra in (('plain', hd, 0), ('null_key', hd + 1, 1)):
-        q = torch.randn(B, H, T + extra, d, device=dev, dtype=dtype_, requires_grad=True)
-        k, v = torch.randn_like(q, requires_grad=True), torch.randn_like(q, requires_grad=True)
-
-        def run_once():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-        ok = []
-        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                        SDPBackend.MATH):
-            try:
-                with sdpa_kernel(backend):
-                    run_once()
-                ok.append(backend.name)
-            except RuntimeError:
-                pass
-        run_once()
-        sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            run_once()
-        sync(dev)
-        out[f'backends_{name}'], out[f'{name}_ms'] = ok, (time.perf_counter() - t0) / iters * 1e3
-    return out
-
-
-def fitting_batch(cfg, dev, dtype_name, budget, cap, compiled=False):
-    """The largest power-of-2 micro-batch <= cap whose predicted peak (cost.train_memory,
-    with the compiled depth reads' workspace if `compiled`) fits `budget` bytes (1 if none
-    does), and that prediction in bytes."""
-    torch.manual_seed(0)
-    model = GPT(cfg).to(dev)
-    mem = cost.train_memory(cfg, 1, cfg.block_size, dev, dtype_name, model=model, compiled=compiled)
-    del model
-    per_seq = mem['per_sequence']  # mem is for one sequence
-    b = 1
-    while b * 2 <= cap and mem['total'] + (2 * b - 1) * per_seq <= budget:
-        b *= 2
-    return b, mem['total'] + (b - 1) * per_seq
-
-
-def gpu_suite(dev, dtype_name, compile_, tiny, steps, schemes_=GPU_SCHEMES, log=print):
-    """The GPU check: Pre-LN 400M L = 16 tokens/s and MFU; every scheme at the L = 32 shape:
-    compiled step time x Pre-LN at one micro-batch, first-step (compile) seconds, predicted and
-    measured peak memory at the largest micro-batch that fits; MoDA's null-key SDPA
-    backends and time against plain attention; 30 optimizer steps of attnres L = 32 with a
-    finite loss. tiny=True: the same at toy shapes (the CPU test). Returns the result dict."""
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype_name]
-    ctx = nullcontext() if dtype_name == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
-    shapes = GPU_TINY if tiny else GPU_SHAPES
-    step_batch = 2 if tiny else 4       # the micro-batch of the step-time comparison
-    cap = 4 if tiny else 16             # the paper's micro-batch at 400M
-    budget = torch.cuda.get_device_properties(dev).total_memory * cost.AUTO_BATCH_FILL if dev.type == 'cuda' else 2**31
-    res = dict(device=str(dev), dtype=dtype_name, compile=compile_, tiny=tiny, shapes=shapes, schemes={})
-    if dev.type == 'cuda':
-        res['gpu'] = torch.cuda.get_device_name(dev)
-    # 1. Pre-LN L = 16: throughput and MFU
-    torch.manual_seed(0)
-    cfg = GPTConfig(**shapes['l16'])
-    model = GPT(cfg).to(dev)
-    r = timed_steps(model, step_batch, dev, ctx, steps, compile_)
-    tps = step_batch * cfg.block_size / r['step_ms'] * 1e3
-    res['preln_l16'] = dict(r, batch=step_batch, tokens_per_s=tps, mfu=estimate_mfu(model, tps, cfg.block_size, dev))
-    mfu = res['preln_l16']['mfu']
-    log(f"Pre-LN L={cfg.n_layer} d={cfg.n_embd}: {tps:,.0f} tokens/s, MFU {'–' if mfu is None else f'{mfu:.1%}'}, "
-        f"first step {r['first_step_s']:.1f} s")
-    del model
-    # 2. every scheme at the L = 32 shape
-    for name in schemes_:
-        if dev.type == 'cuda':
-            torch.cuda.empty_cache()
-        torch._dynamo.reset()
-        cfg = GPTConfig(**shapes['l32'], residual=name)
-        torch.manual_seed(0)
-        model = GPT(cfg).to(dev)
-        r = timed_steps(model, step_batch, dev, ctx, steps, compile_)
-        del model
-        fit, predicted = fitting_batch(cfg, dev, dtype_name, budget, cap)
-        torch.manual_seed(0)
-        model = GPT(cfg).to(dev)
-        m = timed_steps(model, fit, dev, ctx, 2, False)  # eager: no second compile (compiled saves less)
-        del model
-        row = dict(step_ms=r['step_ms'], first_step_s=r['first_step_s'], loss=r['loss'], fit_batch=fit,
-                   predicted_peak_bytes=predicted, peak_bytes=m['peak_bytes'])
-        res['schemes'][name] = row
-        log(f"{name:>13} L={cfg.n_layer}: step {r['step_ms']:.1f} ms, first step {r['first_step_s']:.1f} s, "
-            f"micro-batch {fit} fits (predicted {predicted / 2**30:.2f} GiB, measured "
-            + (f"{m['peak_bytes'] / 2**30:.2f} GiB)" if m['peak_bytes'] else "- on this device)"))
-    base = res['schemes'].get('preln', {}).get('step_ms')
-    for row in res['schemes'].values():
-        row['step_vs_preln'] = row['step_ms'] / base if base else None
-    # 3. MoDA's attention: the null-key form's head dim hd + 1 against plain attention
-    c = shapes['l32']
-    res['moda_attention'] = sdpa_null_key_check(dev, ptdtype if dev.type == 'cuda' else torch.float32, step_batch,
-                                                c['n_head'], c['block_size'], c['n_embd'] // c['n_head'])
-    log(f"MoDA null-key attention: backends {res['moda_attention']['backends_null_key']} (plain: "
-        f"{res['moda_attention']['backends_plain']}), {res['moda_attention']['null_key_ms']:.2f} ms vs "
-        f"{res['moda_attention']['plain_ms']:.2f} ms")
-    # 4. 30 optimizer steps of config/attnres_L32.py's model at the micro-batch that fits
-    cfg = GPTConfig(**shapes['l32'], residual='attnres')
-    fit, _ = fitting_batch(cfg, dev, dtype_name, budget, cap, compiled=compile_)  # these steps run compiled
-    torch.manual_seed(0)
-    model = GPT(cfg).to(dev)
-    r = timed_steps(model, fit, dev, ctx, 29, compile_)
-    res['attnres_l32_30_steps'] = dict(batch=fit, loss=r['loss'], finite=math.isfinite(r['loss']),
-                                      step_ms=r['step_ms'], peak_bytes=r['peak_bytes'])
-    log(f"attnres L={cfg.n_layer}: 30 steps at micro-batch {fit}, last loss {r['loss']:.3f}")
-    return res
-
-
-def format_gpu_table(res):
-    """The README-ready markdown of a gpu_suite result."""
-    gib = lambda b: f"{b / 2**30:.1f}" if b else '–'  # noqa: E731
-    p, s16, s32 = res['preln_l16'], res['shapes']['l16'], res['shapes']['l32']
-    shape = lambda c: f"L = {c['n_layer']}, d = {c['n_embd']}"  # noqa: E731  (the shapes measured)
-    where = res.get('gpu', res['device']) + f", {res['dtype']}, compile={res['compile']}" + (', tiny shapes' if res['tiny'] else '')
-    lines = [f"Measured on {where}.", '',
-             f"Pre-LN {shape(s16)}: {p['tokens_per_s']:,.0f} tokens/s at micro-batch {p['batch']}, MFU "
-             + (f"{p['mfu']:.1%}" if p['mfu'] else '–') + '.', '',
-             f'| scheme ({shape(s32)}) | step × Pre-LN | first step (compile) s | micro-batch that fits | '
-             'predicted peak GiB | max_memory_allocated GiB (eager) |', '|---|---|---|---|---|---|']
-    for name, r in res['schemes'].items():
-        lines.append(f"| {name} | {r['step_vs_preln']:.2f} | {r['first_step_s']:.0f} | {r['fit_batch']} | "
-                     f"{gib(r['predicted_peak_bytes'])} | {gib(r['peak_bytes'])} |")
-    a, t = res['moda_attention'], res['attnres_l32_30_steps']
-    lines += ['', f"MoDA null-key attention (head dim hd + 1): backends that run {', '.join(a['backends_null_key'])} "
-              f"(plain attention: {', '.join(a['backends_plain'])}); {a['null_key_ms']:.2f} ms against "
-              f"{a['plain_ms']:.2f} ms (forward + backward, default dispatch).",
-              f"attnres {shape(s32)}: 30 optimizer steps at micro-batch {t['batch']}, last loss {t['loss']:.3f} "
-              f"({'finite' if t['finite'] else 'NOT finite'})."]
-    return '\n'.join(lines)
+# --suite=gpu: the staged check of the headline command on one GPU (tools/gpu_check.py, docs/gpu.md)
 
 
 def write_json(path, obj):
@@ -826,13 +631,17 @@ def main(argv=None):
     c = {k: globals()[k] for k in keys}
     try:
         configure(c, keys, sys.argv[1:] if argv is None else argv, help_text=comments_from_source(__file__),
-                  none_types={'n_kv_head': int, 'dtype': str})
+                  none_types={'n_kv_head': int, 'dtype': str, 'gpu_data_dir': str})
         o = types.SimpleNamespace(**c)
         if o.suite not in ('bench', 'compile', 'gpu'):
             raise ValueError(f"suite={o.suite!r}: use 'bench', 'compile' or 'gpu'")
-        for key in ('gpu_steps', 'compile_steps'):
-            if getattr(o, key) < 1:
-                raise ValueError(f"{key}={getattr(o, key)}: time at least one step")
+        if o.compile_steps < 1:
+            raise ValueError(f"compile_steps={o.compile_steps}: time at least one step")
+        if o.gpu_steps < 2:
+            raise ValueError(f"gpu_steps={o.gpu_steps}: run at least 2 steps (the first one compiles)")
+        if o.suite == 'gpu':
+            from tools.gpu_check import parse_limits
+            parse_limits(o.gpu_limits)
         if o.suite == 'compile':
             for v in o.compile_layers.split(','):
                 if not v.strip().isdigit() or int(v) < 1:
@@ -868,18 +677,14 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if o.threads:
         torch.set_num_threads(o.threads)
-    import ops
-    ops.FUSED_CPU_READS = o.fused_cpu_reads
     if o.suite == 'compile':
         layers = [int(v) for v in o.compile_layers.split(',') if v.strip()]
         cnames = [s.strip() for s in o.compile_schemes.split(',') if s.strip()]
         cnames = ['preln'] + [s for s in dict.fromkeys(cnames) if s != 'preln']
         print(f"bench --suite=compile: {', '.join(cnames)} at L = {', '.join(map(str, layers))}, d={o.n_embd} "
-              f"T={o.block_size} B={o.batch_size} on {dev} ({dt}), cold inductor cache per compile"
-              + (", depth reads unrolled" if o.unroll_depth_reads else ""))
+              f"T={o.block_size} B={o.batch_size} on {dev} ({dt}), cold inductor cache per compile")
         ckw = {k: v for k, v in cfg_kw.items() if k != 'batch_size'}
-        rows = compile_suite(cnames, layers, ckw, o.batch_size, dt, dev, o.compile_steps, o.threads,
-                             unroll=o.unroll_depth_reads, fused=o.fused_cpu_reads)
+        rows = compile_suite(cnames, layers, ckw, o.batch_size, dt, dev, o.compile_steps, o.threads)
         print(format_compile_table(rows))
         if o.out:
             write_json(o.out, dict(suite='compile', config=c, dtype=dt, environment=environment(dev), rows=rows,
@@ -887,18 +692,13 @@ def main(argv=None):
             print(f"wrote {o.out}")
         return rows
     if o.suite == 'gpu':
-        compile_ = o.compile or (dev.type == 'cuda' and not o.tiny)
-        print(f"bench --suite=gpu on {dev} ({dt}, compile={compile_}{', tiny shapes' if o.tiny else ''})")
-        res = gpu_suite(dev, dt, compile_, o.tiny, o.gpu_steps)
-        res['environment'] = environment(dev)
-        table = format_gpu_table(res)
-        print(table)
-        if o.out:
-            write_json(o.out, dict(res, suite='gpu', table=table))
-            with open(os.path.splitext(o.out)[0] + '.md', 'w') as f:
-                f.write(table + '\n')
-            print(f"wrote {o.out} and {os.path.splitext(o.out)[0]}.md")
-        return res
+        from tools import gpu_check
+        return gpu_check.main([f'--out={o.gpu_out}', f'--device={o.device}', f'--steps={o.gpu_steps}',
+                               f'--budget={o.gpu_budget_s}', f'--schemes={o.gpu_schemes}',
+                               f'--compile={o.compile or (dev.type == "cuda" and not o.tiny)}']
+                              + (['--tiny', '--fast=True'] if o.tiny else [])  # tiny: fast paths on, as on a GPU
+                              + ([f'--limits={o.gpu_limits}'] if o.gpu_limits else [])
+                              + ([f'--data_dir={o.gpu_data_dir}'] if o.gpu_data_dir else []))
     nt, n_step = torch.get_num_threads(), steps_per_round(o.steps, o.rounds)
     print(f"bench: {', '.join(names)} + plain on {dev} ({dt}, compile={o.compile}, {nt} "
           f"CPU thread{'s' if nt != 1 else ''}), L={o.n_layer} d={o.n_embd} T={o.block_size} B={o.batch_size} V={o.vocab_size}, "

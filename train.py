@@ -595,11 +595,9 @@ if auto_batch or (device_type == 'cuda' and not fsdp):  # the predicted peak mem
                             fast=fast_paths, compiled=compile)
     print0(cost.format_memory(mem, device_bytes) + f" [probed in {time.time() - _t:.0f} s]")
     if auto_batch:
-        per_seq = mem['per_sequence']
         try:
             batch_size, gradient_accumulation_steps = cost.auto_micro_batch(
-                batch_size * gradient_accumulation_steps, lambda b: mem['total'] + (b - batch_size) * per_seq,
-                cost.AUTO_BATCH_FILL * device_bytes)
+                batch_size * gradient_accumulation_steps, mem['predict'], cost.AUTO_BATCH_FILL * device_bytes)
         except ValueError as e:
             fail(str(e))
         train_loader.B = batch_size
@@ -692,10 +690,10 @@ def get_lr(it):
 
 
 def eval_batches():
-    """(B, n, chunks): evaluation scores n batches of B chunks of block_size+1 tokens from the start of
-    val.bin: B = batch_size and n = eval_iters, or, when val.bin holds fewer chunks than that
-    (the embedded sample's split holds 12 of 2,049 tokens), every chunk it has, in batches of
-    at most batch_size."""
+    """(B, n, chunks): evaluation scores n batches of B chunks of block_size+1 tokens from the
+    start of val.bin, which holds `chunks`: B = batch_size and n = eval_iters, or, when val.bin
+    holds fewer chunks than that (the embedded sample's split: 12 of 2,049 tokens), as many
+    whole batches of min(batch_size, chunks) as it holds."""
     chunks = len(open_tokens(val_path)) // (block_size + 1)
     B = min(batch_size, chunks)
     return B, min(eval_iters, chunks // B), chunks
@@ -743,8 +741,15 @@ def full_state(what):
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(raw_model, options=opts) if what == 'model' else \
-            get_optimizer_state_dict(raw_model, optimizer, options=opts)
+        if what == 'model':
+            return get_model_state_dict(raw_model, options=opts)
+        if not optimizer.state:  # nothing stepped yet (ckpt_best.pt at iteration 0): get_optimizer_state_dict
+            # would fill the state with a zero-lr AdamW step, and the first real step would count as the
+            # second (other bias corrections): the groups alone, parameters by name, as it writes them
+            names = {id(p): n for n, p in raw_model.named_parameters()}
+            return {'state': {}, 'param_groups': [dict(g, params=[names[id(p)] for p in g['params']])
+                                                  for g in optimizer.param_groups]}
+        return get_optimizer_state_dict(raw_model, optimizer, options=opts)
     return raw_model.state_dict() if what == 'model' else optimizer.state_dict()
 
 

@@ -1,5 +1,7 @@
-"""bench.py's --suite=gpu (run at toy shapes on the CPU, as on a GPU it runs at 400M) and
---suite=compile (its table and argument checks; a real cold compile takes minutes).
+"""The staged GPU check (bench.py --suite=gpu = tools/gpu_check.py) at tiny shapes on the CPU,
+as on a GPU it runs at 400M: every stage appends its line when it ends; a stage cut short by
+its time limit leaves the earlier lines whole and the later stages run; and bench.py's
+--suite=compile table and argument checks (a real cold compile takes minutes).
 Run: python -m pytest tests/test_bench_gpu.py -q"""
 
 import json
@@ -13,23 +15,69 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench  # noqa: E402
+from test_train import data_dir  # noqa: E402,F401  (the tiny corpus fixture)
+from tools import gpu_check  # noqa: E402
 
 
-def test_gpu_suite_runs_at_tiny_shapes(tmp_path):
-    out = tmp_path / 'gpu.json'
-    bench.main(['--suite=gpu', '--tiny=True', '--device=cpu', '--gpu_steps=1', '--threads=1', f'--out={out}'])
-    res = json.loads(out.read_text())
-    assert res['suite'] == 'gpu' and res['environment']['torch'] == torch.__version__
-    assert list(res['schemes']) == list(bench.GPU_SCHEMES)
-    assert res['schemes']['preln']['step_vs_preln'] == 1.0
-    for name, row in res['schemes'].items():
-        assert row['fit_batch'] == 4 and row['predicted_peak_bytes'] > 0  # tiny models: the cap, 4, fits
-    assert res['attnres_l32_30_steps']['finite'] and res['attnres_l32_30_steps']['batch'] == 4
-    assert res['preln_l16']['tokens_per_s'] > 0 and res['preln_l16']['mfu'] is None  # no known peak on a CPU
-    assert 'MATH' in res['moda_attention']['backends_null_key']
+def stages(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_gpu_check_runs_every_stage_at_tiny_shapes(data_dir, tmp_path):  # noqa: F811
+    """bench.py --suite=gpu --tiny=True: env, the headline train.py run, Pre-LN, the reads and one
+    other scheme, each a line of the JSONL (and a paragraph of the .md) with what it measured."""
+    out = tmp_path / 'gpu.jsonl'
+    rows = bench.main(['--suite=gpu', '--tiny=True', '--device=cpu', '--gpu_steps=3', '--gpu_schemes=hc',
+                       f'--gpu_out={out}', f'--gpu_data_dir={data_dir}'])
+    got = stages(out)
+    assert got == json.loads(json.dumps(rows))
+    assert [r['stage'] for r in got] == ['env', 'headline', 'preln', 'reads', 'scheme hc']
+    assert all(r['status'] == 'ok' for r in got), [(r['stage'], r.get('tail')) for r in got]
+    env = got[0]['result']
+    assert env['torch'] == torch.__version__ and env['torch_ok'] and env['peak_flops'] is None
+    assert set(env['packages']) >= {'fla', 'liger_kernel', 'triton'} and env['imports']['fast'] == 'ok'
+    assert env['fast_paths']['attnres'] == ['attnres_read_torch']  # --fast=True on the CPU: the torch forms
+    head = got[1]['result']
+    assert head['config'] == 'config/attnres_L32.py' and head['steps_done'] == 3
+    assert 'checked against residuals.py' in head['fast_paths']  # the start-up guard ran and passed
+    assert head['tokens_per_s'] > 0 and head['mfu'] is None and head['first_step_s'] >= 0
+    assert got[2]['result']['attnres_vs_preln_tokens_per_s'] > 0
+    reads = got[3]['result']['reads']
+    assert set(reads['attnres read, 7 sources']) == {'plain', 'DepthRead'}
+    assert all(isinstance(ms, float) for row in reads.values() for ms in row.values())
     md = (tmp_path / 'gpu.md').read_text()
-    assert md == res['table'] + '\n'
-    assert all(f'| {name} |' in md for name in bench.GPU_SCHEMES)
+    assert md.count('## ') == 5 and 'AttnRes / Pre-LN tokens/s' in md
+
+
+@pytest.mark.slow
+def test_a_stage_cut_short_keeps_what_came_before(data_dir, tmp_path):  # noqa: F811
+    """The Pre-LN stage gets 1 s: it is killed (process group and all) and recorded as 'timeout'
+    with its last lines; the env and headline lines written before it are whole, and the next
+    stages still run. A budget spent before a stage skips it, in one line each."""
+    out = tmp_path / 'gpu.jsonl'
+    gpu_check.main(['--tiny', '--device=cpu', '--fast=True', '--steps=2', f'--out={out}', f'--data_dir={data_dir}',
+                    '--limits=preln=1', '--schemes=hc', '--budget=10000'])
+    got = stages(out)
+    assert [(r['stage'], r['status']) for r in got] == [('env', 'ok'), ('headline', 'ok'), ('preln', 'timeout'),
+                                                        ('reads', 'ok'), ('scheme hc', 'ok')]
+    assert got[2]['seconds'] < 10 and 'tail' in got[2] and got[1]['result']['steps_done'] == 2
+    assert out.with_suffix('.md').read_text().count('## preln (config/preln_L32.py): timeout') == 1
+    out2 = tmp_path / 'spent.jsonl'
+    gpu_check.main(['--tiny', '--device=cpu', '--steps=2', f'--out={out2}', f'--data_dir={data_dir}',
+                    '--schemes=hc', '--budget=0.5'])
+    got = stages(out2)
+    assert got[0]['stage'] == 'env' and got[0]['status'] in ('timeout', 'ok')
+    assert got[1:] == [dict(stage=s, status='skipped', seconds=0, result=None)
+                       for s in ('headline', 'preln', 'reads', 'scheme hc')]
+
+
+def test_stage_limits_are_checked():
+    assert gpu_check.parse_limits('headline=200,preln=100') == {'headline': 200.0, 'preln': 100.0}
+    with pytest.raises(ValueError, match='stages are'):
+        gpu_check.parse_limits('compile=10')
+    with pytest.raises(SystemExit) as e:
+        bench.main(['--suite=gpu', '--gpu_limits=nope=1'])
+    assert 'stages are' in str(e.value)
 
 
 def test_compile_table_ratios_and_missing_cells():
@@ -42,7 +90,8 @@ def test_compile_table_ratios_and_missing_cells():
 
 
 @pytest.mark.parametrize('argv, msg', [
-    (['--suite=fast'], "suite='fast'"),
+    (['--suite=nope'], "suite='nope'"),
+    (['--suite=gpu', '--gpu_steps=1'], 'gpu_steps=1'),
     (['--suite=compile', '--compile_layers=4,x'], 'compile_layers'),
     (['--suite=compile', '--compile_schemes=preln,nope'], 'unknown scheme(s) nope'),
 ])

@@ -66,14 +66,10 @@ def check_flops(cfg, T, B):
     optional = [k for k in terms if k in cost.BROADCAST_TERMS]
     sums = {sum(terms[k] for k in sub) for n in range(len(optional) + 1)
             for sub in itertools.combinations(optional, n)}
-    if scheme == 'moda':
-        # off the CPU (here: 'meta') depth_attention's null-key form runs one SDPA over a null
-        # key + T keys, a dummy + T queries and hd + 1 dims on every block that reads depth slots (blocks 1..L-1): FLOPs the
-        # counter sees that the analytic model (plain T x T attention) does not have
-        L, H, hd = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
-        extra = (L - 1) * 4 * B * H * ((T + 1) ** 2 * (hd + 1) - T * T * hd)
-        sums = {x - extra for x in sums}
     assert r['missing'] in sums, (scheme, r['missing'], terms)
+    if scheme in ('attnres', 'blockattnres', 'moda'):
+        # the plain depth reads of residuals.py are matrix products and einsums: all counted
+        assert r['missing'] == 0, (scheme, r['missing'], terms)
     if scheme in ('attnres', 'blockattnres'):
         # the number of sources the formula assumes = the number the model's reads mix (trace)
         L, d = cfg.n_layer, cfg.n_embd
@@ -118,7 +114,7 @@ def design_flops(L, d, scheme='preln', T=4096, V=50280):
 
 
 def test_forward_flops_design_formula_main_family():
-    shapes, kw = cost.family_shapes('main')  # from families.py when present
+    shapes, kw = cost.family_shapes('main')  # from study/families.py when present
     assert [(L, d) for L, d, _ in shapes] == list(cost.MAIN_SHAPES)
     for (L, d), scheme in itertools.product(cost.MAIN_SHAPES, ('preln', 'hc', 'mhc', 'attnres')):
         assert cost.forward_flops(L, d, 4096, residual=scheme) == design_flops(L, d, scheme)
@@ -212,19 +208,19 @@ def renamed(monkeypatch):
     return register
 
 
-# ΔF terms the fallback cannot see: weighted sums written as broadcast multiply-and-sum
-UNSEEN = {'attnres': ('depth_values',), 'blockattnres': ('depth_values',)}
+# ΔF terms the fallback cannot see: products written as broadcast multiply-and-sum (HC/mHC's
+# write beta ⊗ f); the plain depth reads of residuals.py are matmuls and einsums
+UNSEEN = {'hc': ('write',), 'mhc': ('write',)}
 
 
-@pytest.mark.parametrize('scheme', [s for s in SCHEMES if s != 'moda'])
+@pytest.mark.parametrize('scheme', SCHEMES)
 @pytest.mark.parametrize('shape', [TINY[0], TINY[2]], ids=[TINY_IDS[0], TINY_IDS[2]])
 def test_fallback_equals_the_closed_form(scheme, shape, renamed):
     """The fallback of a scheme without closed forms, applied to a registered scheme:
     the counted parameters equal its closed form, and the measured ΔF equals its closed
-    form where the extra work is all matrix products (HC, mHC, 0 for the norm-and-gain
-    schemes), Full/Block AttnRes's less the weighted sums the counter does not see.
-    (MoDA is left out: on the meta device its attention takes the null-key form, whose
-    extra attention FLOPs are not in the closed form; see check_flops.)"""
+    form where the extra work is all matrix products: Full and Block AttnRes and MoDA (their
+    plain reads are matmuls and einsums), 0 for the norm-and-gain schemes; HC's and mHC's
+    less their write, an outer product the counter does not see."""
     if scheme == 'blockattnres' and shape is TINY[0]:
         shape = dict(shape, n_layer=8)  # 2L divisible by the 8 blocks, as the model needs
     new = renamed(scheme)
@@ -238,7 +234,7 @@ def test_fallback_equals_the_closed_form(scheme, shape, renamed):
     seen = sum(v for k, v in terms.items() if k not in UNSEEN.get(scheme, ()))
     assert cost.extra_flop_terms(new, cfg.n_layer, cfg.n_embd, T, **kw) == {'measured': seen}
     assert cost.config_flops(cfg, T) - cost.config_flops(config('preln', **shape), T) == seen
-    if scheme in ('hc', 'mhc'):
+    if scheme in ('attnres', 'moda'):
         assert seen > 0 and seen == cost.extra_flops(scheme, cfg.n_layer, cfg.n_embd, T, **kw)
 
 
@@ -250,11 +246,11 @@ def test_fallback_refuses_an_unregistered_scheme():
 
 
 def test_cli_takes_a_scheme_without_closed_forms(renamed, tmp_path, capsys):
-    new = renamed('hc')
-    assert cost.main([f'--schemes=preln,hc,{new}', '--shapes=2x64', '--seq_len=32', f'--out={tmp_path}']) == 0
+    new = renamed('attnres')
+    assert cost.main([f'--schemes=preln,attnres,{new}', '--shapes=2x64', '--seq_len=32', f'--out={tmp_path}']) == 0
     rows = {r['scheme']: r for r in json.loads((tmp_path / 'cost.json').read_text())['rows']}
     assert {k: rows[new][k] for k in ('params', 'flops', 'extra_flops')} == \
-        {k: rows['hc'][k] for k in ('params', 'flops', 'extra_flops')}
+        {k: rows['attnres'][k] for k in ('params', 'flops', 'extra_flops')}
 
 
 # -----------------------------------------------------------------------------

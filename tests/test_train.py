@@ -246,11 +246,12 @@ def test_fresh_clone_prepares_the_embedded_sample(tmp_path):
     so), and only the default one; a data_dir the user names must exist."""
     import shutil
     clone = tmp_path / 'clone'
-    (clone / 'data' / 'fineweb_edu').mkdir(parents=True)
-    for f in REPO.glob('*.py'):
-        shutil.copy(f, clone)
-    shutil.copy(REPO / 'data' / 'fineweb_edu' / 'prepare.py', clone / 'data' / 'fineweb_edu')
-    shutil.copytree(REPO / 'data' / 'sample', clone / 'data' / 'sample')
+    tracked = subprocess.run(['git', 'ls-files'], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for f in tracked:  # what a clone has: tracked files only, no prepared data
+        if (REPO / f).is_file():
+            (clone / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(REPO / f, clone / f)
+    assert not (clone / 'data' / 'fineweb_edu' / 'train.bin').exists()
     env = dict(os.environ, OMP_NUM_THREADS='1')
     tiny = ['--device=cpu', '--compile=False', '--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=32',
             '--batch_size=2', '--eval_iters=2', '--eval_only=True']
