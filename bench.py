@@ -5,7 +5,7 @@ What each residual scheme costs in wall-clock time and memory on this machine
   (a) Pre-LN, the study's baseline, built by model.py like every scheme;
   (b) `PlainGPT`, the same pre-norm transformer written here as plainly as possible
       (RMSNorm, RoPE, attention, SwiGLU; no scheme machinery). It has exactly Pre-LN's
-      parameters and, given the same weights, Pre-LN's loss (tests/test_fast_mix.py), so
+      parameters and, given the same weights, Pre-LN's loss (tests/test_bench.py), so
       "Pre-LN vs plain" is the price of the scheme interface itself.
 
     python bench.py --schemes=preln,attnres,hc --n_layer=8 --n_embd=128 --n_head=4 \\
@@ -15,6 +15,7 @@ What each residual scheme costs in wall-clock time and memory on this machine
     python bench.py --hc_package=True ...   # also time the PyPI hyper-connections package in PlainGPT
     python bench.py --threads=1 ...         # one torch thread: on a CPU shared with other jobs, two
                                             # OpenMP threads on two busy cores are slow and erratic
+    python bench.py --suite=fast --schemes=attnres,hc,mhc,moda ...   # each scheme fast / plain (fast/)
     python bench.py --suite=compile ...     # cold-cache compile time of the training step against depth
     python bench.py --suite=gpu             # the staged GPU check, tools/gpu_check.py (--tiny=True: tiny shapes, CPU)
                                             # both: docs/gpu.md
@@ -32,7 +33,9 @@ Memory: on CUDA the peak allocated during one training step above what was alloc
 before it (`torch.cuda.max_memory_allocated`); on every device the bytes of the unique
 storages autograd saves for backward in one forward pass (`saved_activation_bytes`), a
 deterministic proxy of activation memory, taken on the eager model also with --compile=True
-(the CPU allocator is not tracked).
+(the CPU allocator is not tracked). --compile=True compiles each GPT as train.py does
+(GPT.compile_regions: every block's sublayers and the scheme's regions) and PlainGPT whole;
+--fast puts the fast paths of fast/ in place as train.py does (checked at start-up).
 
 Timing discipline (STYLE.md, modded-nanogpt): all models are built and warmed up (and
 compiled, with --compile=True) on the exact shapes first; then model and optimizer state
@@ -59,6 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cost
+import fast as fastpath
 from cost import saved_activation_bytes  # noqa: F401  (bench.saved_activation_bytes, as before)
 from configurator import ConfigError, comments_from_source, configure
 from model import GPT, GPTConfig, estimate_mfu
@@ -78,7 +82,8 @@ hc_streams = 4  # HC/mHC streams m
 attnres_blocks = 8  # Block AttnRes blocks
 device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu' or 'cuda'
 dtype = None  # None = bfloat16 autocast on CUDA, float32 elsewhere; 'float32', 'bfloat16', 'float16'
-compile = False  # torch.compile every model (whole-model graphs); recompiles after warm-up are reported
+compile = False  # compile every model (GPT.compile_regions, as train.py; PlainGPT whole); recompiles after warm-up are reported
+fast = 'auto'  # fast paths (fast/): 'auto' = on for CUDA, off on the CPU; True; False = the plain code of residuals.py
 steps = 20  # timed training steps (and prefill passes) per model, spread over the rounds (rounded up to a multiple of them); 0 = memory only
 warmup = 5  # untimed training steps (and prefill passes) per model before timing
 rounds = 5  # interleaved timing rounds; ratios are medians over rounds
@@ -87,7 +92,7 @@ learning_rate = 3e-4  # AdamW learning rate of the timed steps (does not affect 
 threads = 0  # torch CPU threads; 0 = torch's default (one per core). 1 is steadier on a shared machine
 seed = 1337
 out = 'out/bench.json'  # results as JSON; '' = do not write
-suite = 'bench'  # 'bench': the timing table above; 'compile': cold compile time vs depth; 'gpu': the one-call GPU check
+suite = 'bench'  # 'bench': the timing table above; 'fast': each scheme with fast paths on / off; 'compile': cold compile time vs depth; 'gpu': the one-call GPU check
 compile_layers = '4,8,16,32'  # --suite=compile: the depths L to compile each scheme at
 compile_schemes = 'preln,attnres,blockattnres,hc,mhc,moda'  # --suite=compile: schemes, each at every depth
 tiny = False  # --suite=gpu: tiny shapes instead of the 400M ones (the CPU test of the check)
@@ -288,7 +293,7 @@ def steps_per_round(steps, rounds):
     return -(-steps // rounds)
 
 
-def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg, lr, seed_, log=None):
+def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg, lr, seed_, log=None, fast_setting=False):
     """Builds the schemes `names` (Pre-LN first), PlainGPT and, with hc_pkg, the package's HC in
     PlainGPT; measures memory, warms up (compiles) and times them in interleaved rounds.
     cfg_kw: GPTConfig fields plus batch_size. Returns one dict per model (the JSON rows):
@@ -312,8 +317,14 @@ def run(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, hc_pkg,
 
     def add(name, kind, model, cfg):
         model.to(dev)
+        fn = model
+        if isinstance(model, GPT):  # as train.py runs it: its fast paths, its compiled regions
+            fastpath.setup(model, fast_setting, dev)
+            if compile_:
+                model.compile_regions()
+        elif compile_:
+            fn = torch.compile(model)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=dev.type == 'cuda')
-        fn = torch.compile(model) if compile_ else model
         entries.append(Entry(name, kind, model, fn, opt, cfg))
 
     for name in names:
@@ -496,6 +507,82 @@ def environment(dev):
 
 
 # -----------------------------------------------------------------------------
+# --suite=fast: each scheme's training step with its fast paths on against the plain code
+
+
+def fast_suite(names, cfg_kw, dev, dtype_name, compile_, steps, warmup, rounds, lr, seed_, log=print):
+    """For each scheme of `names` that has fast paths on `dev` (fast.select), two models of the
+    same weights, one plain (residuals.py) and one with the fast paths (after fast.check),
+    timed in interleaved rounds (order alternating). Returns one row per scheme: paths,
+    plain_ms, fast_ms (medians over rounds of the training step: forward + backward + AdamW),
+    fast_vs_plain (median of the per-round ratios) and noise (half their interquartile range).
+    Schemes without a fast path on `dev` are left out (a line says so)."""
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype_name]
+    ctx = nullcontext() if dtype_name == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
+    B, T = cfg_kw['batch_size'], cfg_kw['block_size']
+    gcfg = {k: v for k, v in cfg_kw.items() if k != 'batch_size'}
+    idx = torch.randint(0, gcfg['vocab_size'], (B, T + 1), generator=torch.Generator().manual_seed(seed_)).to(dev)
+    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    rows = []
+    for name in names:
+        pair = []
+        for on in (False, True):
+            torch.manual_seed(seed_)
+            model = GPT(GPTConfig(**gcfg, residual=name)).to(dev)
+            paths = fastpath.setup(model, on, dev)
+            if compile_:
+                model.compile_regions()
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=dev.type == 'cuda')
+            pair.append((model, opt, paths))
+        paths = pair[1][2]
+        if not paths:
+            log(f"{name:>13}: no fast path on {dev.type}")
+            continue
+
+        def step(model, opt):
+            with ctx:
+                _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for model, opt, _ in pair:
+            for _ in range(max(warmup, 1)):
+                step(model, opt)
+        times = ([], [])
+        per_round = steps_per_round(steps, rounds)
+        for r in range(rounds):
+            for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+                model, opt, _ = pair[k]
+                sync(dev)
+                t0 = time.perf_counter()
+                for _ in range(per_round):
+                    step(model, opt)
+                sync(dev)
+                times[k].append((time.perf_counter() - t0) / per_round)
+        ratios = [f / p for p, f in zip(*times)]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else None
+        row = dict(scheme=name, paths=[p.name for p in paths], plain_ms=statistics.median(times[0]) * 1e3,
+                   fast_ms=statistics.median(times[1]) * 1e3, fast_vs_plain=statistics.median(ratios),
+                   noise=(q[2] - q[0]) / 2 if q else None)
+        rows.append(row)
+        log(f"{name:>13}: plain {row['plain_ms']:8.1f} ms, fast {row['fast_ms']:8.1f} ms, fast/plain "
+            f"{row['fast_vs_plain']:.2f}" + (f" ± {row['noise']:.2f}" if row['noise'] is not None else '')
+            + f"  ({', '.join(row['paths'])})")
+    return rows
+
+
+def format_fast_table(rows):
+    """Markdown: one row per scheme, its fast paths and the training step fast / plain."""
+    lines = ['| scheme | fast paths | plain ms | fast ms | fast / plain |', '|---|---|---|---|---|']
+    for r in rows:
+        noise = f" ± {r['noise']:.2f}" if r['noise'] is not None else ''
+        lines.append(f"| {r['scheme']} | {', '.join(r['paths'])} | {r['plain_ms']:.1f} | {r['fast_ms']:.1f} | "
+                     f"{r['fast_vs_plain']:.2f}{noise} |")
+    return '\n'.join(lines)
+
+
+# -----------------------------------------------------------------------------
 # --suite=compile: cold compile time of the training step against depth
 
 
@@ -508,9 +595,9 @@ def cpu_seconds():
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 
-def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337):
-    """Compiles one training step (forward + backward + AdamW) of GPT(**cfg_kw) with
-    torch.compile and times it. Run in a fresh process with a fresh inductor cache
+def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337, fast_setting=False):
+    """Compiles one training step (forward + backward + AdamW) of GPT(**cfg_kw) as train.py
+    does (its fast paths per `fast_setting`, then GPT.compile_regions) and times it. Run in a fresh process with a fresh inductor cache
     (`compile_suite` does) for a cold-cache number. Returns a dict: compile_s (wall seconds
     of the first step), compile_cpu_s (CPU seconds of it, compiler children included),
     step_ms (median of `steps` later steps), graphs, graph_breaks, recompiles (graphs
@@ -520,8 +607,10 @@ def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337):
     torch.manual_seed(seed_)
     cfg = GPTConfig(**cfg_kw)
     model = GPT(cfg).to(dev)
+    fastpath.setup(model, fast_setting, dev)
+    model.compile_regions()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == 'cuda')
-    fn = torch.compile(model)
+    fn = model
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), device=dev)
 
     def step():
@@ -549,7 +638,7 @@ def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337):
     return res
 
 
-def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print):
+def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print, fast_setting=False):
     """`compile_one` for every scheme at every depth, each in a fresh Python process with a
     fresh, empty inductor cache (TORCHINDUCTOR_CACHE_DIR) and compiling in-process
     (TORCHINDUCTOR_COMPILE_THREADS=1, so compile_cpu_s counts the compiler). Depth-major
@@ -564,7 +653,7 @@ def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threa
             kw = {**cfg_kw, 'n_layer': L, 'residual': name}
             code = (f"import json, torch, bench; torch.set_num_threads({threads_ or 1}); "
                     f"print('RESULT', json.dumps(bench.compile_one({kw!r}, {batch}, {dtype_name!r}, "
-                    f"torch.device({str(dev)!r}), {steps})))")
+                    f"torch.device({str(dev)!r}), {steps}, fast_setting={fast_setting!r})))")
             with tempfile.TemporaryDirectory(prefix='inductor_cold_') as cache:
                 env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1',
                        'OMP_NUM_THREADS': str(threads_ or 1)}
@@ -631,10 +720,11 @@ def main(argv=None):
     c = {k: globals()[k] for k in keys}
     try:
         configure(c, keys, sys.argv[1:] if argv is None else argv, help_text=comments_from_source(__file__),
-                  none_types={'n_kv_head': int, 'dtype': str, 'gpu_data_dir': str})
+                  none_types={'n_kv_head': int, 'dtype': str, 'gpu_data_dir': str, 'fast': (str, bool)})
         o = types.SimpleNamespace(**c)
-        if o.suite not in ('bench', 'compile', 'gpu'):
-            raise ValueError(f"suite={o.suite!r}: use 'bench', 'compile' or 'gpu'")
+        if o.suite not in ('bench', 'fast', 'compile', 'gpu'):
+            raise ValueError(f"suite={o.suite!r}: use 'bench', 'fast', 'compile' or 'gpu'")
+        fastpath.resolve(o.fast, 'cpu')  # a bad setting is one line now, not mid-run
         if o.compile_steps < 1:
             raise ValueError(f"compile_steps={o.compile_steps}: time at least one step")
         if o.gpu_steps < 2:
@@ -682,13 +772,27 @@ def main(argv=None):
         cnames = [s.strip() for s in o.compile_schemes.split(',') if s.strip()]
         cnames = ['preln'] + [s for s in dict.fromkeys(cnames) if s != 'preln']
         print(f"bench --suite=compile: {', '.join(cnames)} at L = {', '.join(map(str, layers))}, d={o.n_embd} "
-              f"T={o.block_size} B={o.batch_size} on {dev} ({dt}), cold inductor cache per compile")
+              f"T={o.block_size} B={o.batch_size} on {dev} ({dt}, fast={o.fast}), GPT.compile_regions, "
+              f"cold inductor cache per compile")
         ckw = {k: v for k, v in cfg_kw.items() if k != 'batch_size'}
-        rows = compile_suite(cnames, layers, ckw, o.batch_size, dt, dev, o.compile_steps, o.threads)
+        rows = compile_suite(cnames, layers, ckw, o.batch_size, dt, dev, o.compile_steps, o.threads,
+                             fast_setting=o.fast)
         print(format_compile_table(rows))
         if o.out:
             write_json(o.out, dict(suite='compile', config=c, dtype=dt, environment=environment(dev), rows=rows,
                                    table=format_compile_table(rows)))
+            print(f"wrote {o.out}")
+        return rows
+    if o.suite == 'fast':
+        fnames = [s for s in names if s != 'preln']  # Pre-LN has no fast path
+        print(f"bench --suite=fast: {', '.join(fnames)} on {dev} ({dt}, compile={o.compile}), L={o.n_layer} "
+              f"d={o.n_embd} T={o.block_size} B={o.batch_size}, {o.rounds} rounds")
+        rows = fast_suite(fnames, cfg_kw, dev, dt, o.compile, o.steps or o.rounds, o.warmup, o.rounds,
+                          o.learning_rate, o.seed)
+        print(format_fast_table(rows))
+        if o.out:
+            write_json(o.out, dict(suite='fast', config=c, dtype=dt, environment=environment(dev), rows=rows,
+                                   table=format_fast_table(rows)))
             print(f"wrote {o.out}")
         return rows
     if o.suite == 'gpu':
@@ -700,11 +804,12 @@ def main(argv=None):
                               + ([f'--limits={o.gpu_limits}'] if o.gpu_limits else [])
                               + ([f'--data_dir={o.gpu_data_dir}'] if o.gpu_data_dir else []))
     nt, n_step = torch.get_num_threads(), steps_per_round(o.steps, o.rounds)
-    print(f"bench: {', '.join(names)} + plain on {dev} ({dt}, compile={o.compile}, {nt} "
+    print(f"bench: {', '.join(names)} + plain on {dev} ({dt}, compile={o.compile}, fast={o.fast}, {nt} "
           f"CPU thread{'s' if nt != 1 else ''}), L={o.n_layer} d={o.n_embd} T={o.block_size} B={o.batch_size} V={o.vocab_size}, "
           + (f"{o.rounds} rounds of {n_step} timed step{'s' if n_step != 1 else ''}, {o.warmup} warm-up"
              if n_step else "memory only (steps=0)"))
-    rows = run(names, cfg_kw, dev, dt, o.compile, o.steps, o.warmup, o.rounds, o.hc_package, o.learning_rate, o.seed)
+    rows = run(names, cfg_kw, dev, dt, o.compile, o.steps, o.warmup, o.rounds, o.hc_package, o.learning_rate, o.seed,
+               fast_setting=o.fast)
     print(format_table(rows, dev.type))
     if dev.type != 'cuda':
         print("memory: bytes autograd saves for backward in one forward pass of the eager model, also "

@@ -77,18 +77,21 @@ def plot_angular(results):
 
 
 def _score_heatmaps(rs, metric, key, title, xlabel, ylabel, ratio_key, threshold_key, symbol, default_thr):
-    # one fixed colour scale, 0 .. 2x the R threshold, for one model or many (the same
-    # colours mean the same scores in every figure); larger scores get the top colour, shown
-    # by the colour bar's arrow and the panel's max in the title
+    # one colour scale for all panels, 0 .. the largest score of any model (the data's whole
+    # range; the same colour is the same score in every panel), with the R threshold at the
+    # middle colour: dark = below it, bright = above it, however large the scores grow
+    from matplotlib.colors import TwoSlopeNorm
     fig, axes = _panels(len(rs), 4.6, 3.9)
     thr = (rs[0].get('late_pairs') or {}).get(threshold_key) or default_thr
-    vmax = 2 * thr
-    for ax, r in zip(axes, rs):
+    tops = [float(np.nanmax(np.asarray(r[metric][key], dtype=float)))
+            if np.isfinite(np.asarray(r[metric][key], dtype=float)).any() else 0.0 for r in rs]
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=thr, vmax=max(max(tops), 1.01 * thr))
+    for ax, r, top in zip(axes, rs, tops):
         M = np.asarray(r[metric][key], dtype=float)
-        top = float(np.nanmax(M)) if np.isfinite(M).any() else 0.0
-        im = ax.imshow(np.ma.masked_invalid(M), cmap=_cmap('magma'), vmin=0, vmax=vmax)
-        cb = fig.colorbar(im, ax=ax, extend='max' if top > vmax else 'neither')
-        cb.set_label(f"{symbol} (≥ {vmax:g} at the top colour)" if top > vmax else symbol)
+        im = ax.imshow(np.ma.masked_invalid(M), cmap=_cmap('magma'), norm=norm)
+        cb = fig.colorbar(im, ax=ax)
+        cb.ax.axhline(thr, color='cyan', lw=1.5)
+        cb.set_label(f"{symbol} (cyan: threshold {thr:g}, the middle colour)")
         _integer_ticks(ax)
         late = r.get('late_pairs') or {}
         if late.get('start') is not None:  # rows at or below the line form the late pairs
@@ -104,18 +107,17 @@ def _score_heatmaps(rs, metric, key, title, xlabel, ylabel, ratio_key, threshold
 
 
 def plot_causal(results):
-    """Causal score C(s, l) (Eq. 3): y = skipped block s, x = downstream block l; one fixed
-    colour scale 0 .. 2x the R_causal threshold (0.9) for every figure, larger scores at the
-    top colour (arrow on the colour bar, max in the title); dashed line: the late pairs (Eq. 5)
-    lie below it."""
+    """Causal score C(s, l) (Eq. 3): y = skipped block s, x = downstream block l; one colour
+    scale for every panel, 0 .. the largest score, the R_causal threshold (0.45) at the middle
+    colour (cyan on the colour bar); dashed line: the late pairs (Eq. 5) lie below it."""
     rs = _with(results, 'causal')
     return _score_heatmaps(rs, 'causal', 'C', 'C(s, l)', 'downstream block l', 'skipped block s',
                            'R_causal', 'causal_threshold', 'C', 0.45) if rs else None
 
 
 def plot_permutation(results):
-    """Permutation score P(i, j) (Eq. 4): y = first swapped block i, x = second j; the fixed
-    scale 0 .. 2x the R_perm threshold (0.3), as plot_causal."""
+    """Permutation score P(i, j) (Eq. 4): y = first swapped block i, x = second j; colours as
+    plot_causal, the R_perm threshold (0.15) at the middle colour."""
     rs = _with(results, 'permutation')
     return _score_heatmaps(rs, 'permutation', 'P', 'P(i, j)', 'block j', 'block i', 'R_perm',
                            'perm_threshold', 'P', 0.15) if rs else None

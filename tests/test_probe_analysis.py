@@ -247,8 +247,12 @@ def test_figures_scales_and_labels():
     one = pp.plot_causal([{'label': 'a', 'causal': {'C': C}, 'late_pairs': late}])
     two = pp.plot_causal([{'label': 'a', 'causal': {'C': C}, 'late_pairs': late},
                           {'label': 'b', 'causal': {'C': C_big}, 'late_pairs': late}])
-    clims = [im.get_clim() for f in (one, two) for ax in f.axes for im in ax.get_images()]
-    assert clims == [(0, 0.9)] * 3  # the same scale alone and side by side
+    ims = [im for f in (one, two) for ax in f.axes for im in ax.get_images()]
+    # the data's whole range, shared by the panels side by side; the threshold at the middle colour
+    assert [im.get_clim()[1] for im in ims] == [pytest.approx(1.01 * 0.45), 7.0, 7.0]
+    assert all(im.norm.vcenter == 0.45 and im.get_clim()[0] == 0 for im in ims)
+    n = ims[-1].norm
+    assert n(7.0) == 1.0 and n(0.45) == 0.5 and n(0.2) < 0.5  # 7 is not clipped to a cap
     titles = [ax.get_title() for ax in two.axes if ax.get_images()]
     assert 'max 7.00' in titles[1]
     bars = [ax for ax in two.axes if not ax.get_images()]
