@@ -428,14 +428,15 @@ def _sorted_tape(tape):
     return sorted(tape, key=lambda e: (e['block'], e['sublayer']))
 
 
-def hc_path_weights(tape, n_layer):
+def hc_path_weights(tape, n_layer, readout_weight=1.0):
     """Per-token path weights of HC / mHC, averaged over tokens (Fig. 7; docs/probes.md, path weights):
 
         w_{i->l} = beta_i^T A^{(i+1)} ... A^{(l-1)} a^{(l)}
 
     with beta = trace 'write' (H_post), A = 'mix' (H_res; new stream t = sum_s A[s, t] H[s]),
     a = 'read' (H_pre). Sources: 0 = embedding (in every stream, beta = 1), i + 1 = output of
-    sublayer i; readers: sublayer l = 0..2L-1, and 2L = the readout (sum of streams, a = 1).
+    sublayer i; readers: sublayer l = 0..2L-1, and 2L = the readout, a = readout_weight in every
+    stream (1 for a readout that sums the streams, 1/m for one that averages them).
     tape: the 2L trace entries of one forward pass, tensors (B, T, ...).
     Returns (W (2L+1, 2L+1) float64 array, NaN above the diagonal, n_tokens)."""
     K = 2 * n_layer
@@ -448,7 +449,8 @@ def hc_path_weights(tape, n_layer):
     N, m = read[0].shape
     W = np.full((K + 1, K + 1), np.nan)
     for ell in range(K + 1):
-        g = read[ell] if ell < K else torch.ones(N, m, dtype=torch.float64, device=read[0].device)
+        g = read[ell] if ell < K else torch.full((N, m), float(readout_weight), dtype=torch.float64,
+                                                 device=read[0].device)
         for i in range(ell - 1, -1, -1):  # g = A^{(i+1)} ... A^{(l-1)} a^{(l)}, per token
             W[ell, i + 1] = (write[i] * g).sum(-1).mean().item()
             g = (mix[i] @ g.unsqueeze(-1)).squeeze(-1)
@@ -535,7 +537,9 @@ def path_weights(model, windows, batch_size=BATCH_SIZE, progress=False):
     if kind is None:
         raise ValueError(f"path_weights: {no_path_weights(model)}")
     if kind == 'hc':
-        fn = lambda tape: hc_path_weights(tape, L)  # noqa: E731
+        # the readout's weight per stream: 1/m when it averages the streams (mHC), else 1
+        a = 1.0 / model.config.hc_streams if getattr(model.residual, 'readout_mode', 'sum') == 'mean' else 1.0
+        fn = lambda tape: hc_path_weights(tape, L, a)  # noqa: E731
     elif kind == 'attnres':
         fn = lambda tape: attnres_path_weights(tape, L, _attnres_block_size(model))  # noqa: E731
     else:

@@ -322,6 +322,25 @@ def test_hc_path_weights_reconstruct_the_branch_inputs(toyhc):
         torch.testing.assert_close(rebuilt, x, rtol=1e-4, atol=1e-5)
 
 
+def test_mhc_path_weights_rebuild_its_mean_readout():
+    # mHC reads out the mean of its streams: the readout's row must rebuild mean_s H[s] from
+    # the embedding and the branch outputs. At init (phi = 0) mHC's coefficients are the same
+    # for every token, so token-averaged weights rebuild it exactly.
+    model = tiny('mhc', n_layer=2).eval()
+    assert model.residual.readout_mode == 'mean'
+    w = windows(n=2)
+    W = probe.path_weights(model, w)['W']
+    outs = []
+    for blk in model.blocks:
+        for branch in (blk.attn, blk.mlp):
+            branch.register_forward_hook(lambda mod, args, out: outs.append(out))
+    with torch.no_grad():
+        h = model.hidden(w)                                    # (B, T, m, d)
+        rebuilt = W[4, 0] * model.wte(w) + sum(W[4, i + 1] * outs[i] for i in range(4))
+    torch.testing.assert_close(rebuilt, h.mean(-2), rtol=1e-4, atol=1e-5)
+    assert W[4, 0] == pytest.approx(1.0, abs=1e-3)             # the embedding, in every stream, averaged
+
+
 def test_propagation_stats_use_the_product_in_forward_order(toyhc):
     with torch.no_grad():  # a shear then a squeeze: the order of the product matters
         toyhc.residual.A.copy_(torch.stack([torch.tensor([[1.0, 1, 0], [0, 1, 0], [0, 0, 1]]),
