@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_leaves
 
 from model import GPT, GPTConfig, ffn_hidden_size
 
-# the main family's shapes (paper Table 3), used when families.py is not importable
+# the main family's shapes (paper Table 3), used when study/families.py is not importable
 MAIN_SHAPES = ((16, 1216), (20, 1120), (24, 1024), (28, 960), (32, 896), (42, 800), (70, 640))
 # the ten schemes of the study (Table 1), in table order, and the classic extra rows
 STUDY_SCHEMES = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'attnres', 'blockattnres', 'moda')
@@ -566,13 +566,13 @@ def measure_prefill(schemes, shapes, batch=8, seq_len=4096, device='cuda', dtype
 
 def family_shapes(family):
     """[(L, d, extra GPTConfig keys)], config keys shared by the family (vocab_size, n_head)
-    for a family of families.py; the built-in main shapes if families.py is missing.
+    for a family of study/families.py; the built-in main shapes if it is missing.
     Raises ValueError for an unknown family."""
     try:
         from study import families
     except ImportError:
         if family != 'main':
-            raise ValueError(f"family {family!r} needs families.py; without it only 'main' is known")
+            raise ValueError(f"family {family!r} needs study/families.py; without it only 'main' is known")
         return [(L, d, {}) for L, d in MAIN_SHAPES], {}
     if family not in families.FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of: {', '.join(families.FAMILIES)}")
@@ -650,10 +650,10 @@ def format_pivot(rows):
 
 def read_losses(path):
     """{(scheme, L, d): val_loss} from a results file: a list of {scheme, n_layer, n_embd,
-    val_loss} or sweep.py's {"runs": [{scheme, L, d, val_loss}]}; rows without a loss
+    val_loss} or study/sweep.py's {"runs": [{scheme, L, d, val_loss}]}; rows without a loss
     are skipped. Raises FileNotFoundError / ValueError with the fix."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"results file {path} not found: run `python sweep.py family=...` or drop --results")
+        raise FileNotFoundError(f"results file {path} not found: run `python study/sweep.py family=...` or drop --results")
     with open(path) as f:
         data = json.load(f)
     rows = data.get('runs') if isinstance(data, dict) else data
@@ -1120,7 +1120,7 @@ def _parse_shapes(text):
 def main(argv=None):
     p = argparse.ArgumentParser(description="Analytic and measured cost of depth (paper Sec. 4.4, Appendix D, Fig. 11).")
     p.add_argument('--schemes', default=','.join(STUDY_SCHEMES), help='comma-separated scheme names')
-    p.add_argument('--family', default='main', help='experiment family of families.py (its shapes)')
+    p.add_argument('--family', default='main', help='experiment family of study/families.py (its shapes)')
     p.add_argument('--shapes', default=None, help='LxD pairs instead of the family shapes, e.g. 16x1216,32x896')
     p.add_argument('--seq_len', type=int, default=4096, help='prefill length T')
     p.add_argument('--logits', default='last', choices=('last', 'all'), help='LM head positions in the FLOPs')

@@ -20,9 +20,12 @@ to residuals.py that a fast path would hide stops the run at start-up, in one li
 Where both forms of a piece apply, the first listed wins. Without fla-core or liger-kernel a
 CUDA run uses the torch forms of the same rows. Measured (fast / plain step time, same
 process, interleaved; `python bench.py --suite=fast`; docs/performance.md has the table with
-its machine): on a 2-core CPU the torch forms take 0.4-0.6x (AttnRes read), 0.9x (mHC
-coefficients, stream write) and 0.9x (MoDA) of the plain step, eager. The CUDA kernels are not
-yet measured here (docs/gpu.md says how); they are the kernels the study trains with.
+its machine): on a 2-core CPU, eager, the step takes 0.56x the plain one for Full AttnRes
+and 0.68x for Block AttnRes (attnres_read_torch), 0.92x for mHC (coefficients and stream
+write), 0.96x for MoDA, and 0.99x for HC (the stream write alone: no win on the CPU). The
+CUDA kernels and the torch forms on CUDA are not yet measured here (tools/gpu_check.py times
+each read plain and fast; docs/gpu.md); fla-core's and Liger's are the kernels the study
+trains with.
 
     import fast
     paths = fast.setup(model, 'auto', device)   # -> the FastPaths in use (checked), [] when off
