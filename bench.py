@@ -37,7 +37,7 @@ deterministic proxy of activation memory, taken on the eager model also with --c
 (GPT.compile_regions: every block's sublayers and the scheme's regions) and PlainGPT whole;
 --fast puts the fast paths of fast/ in place as train.py does (checked at start-up).
 
-Timing discipline (STYLE.md, modded-nanogpt): all models are built and warmed up (and
+Timing discipline (as in modded-nanogpt): all models are built and warmed up (and
 compiled, with --compile=True) on the exact shapes first; then model and optimizer state
 are reset, and `rounds` rounds run each scheme's timed steps in turn, rotating the order
 every round (ABC, BCA, CAB, ...) so that background load hits every scheme alike. A ratio
@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 import cost
 import fast as fastpath
-from cost import saved_activation_bytes  # noqa: F401  (bench.saved_activation_bytes, as before)
+from cost import saved_activation_bytes
 from configurator import ConfigError, comments_from_source, configure
 from model import GPT, GPTConfig, estimate_mfu
 from residuals import RESIDUALS

@@ -18,7 +18,7 @@ Continue an interrupted run exactly where it stopped:
 $ python train.py config/attnres_L32.py --init_from=resume
 
 A resume takes the run's settings from its checkpoint, so the config file may be left out:
-$ python train.py --out_dir=out/attnres_L32 --init_from=resume
+$ python train.py --out_dir=out/main/attnres_L32 --init_from=resume
 
 Outputs in out_dir: ckpt.pt (latest checkpoint), ckpt_best.pt (the checkpoint of the lowest
 validation loss), metrics.jsonl (one JSON object per log step), summary.json (written when
@@ -80,6 +80,7 @@ hc_streams = 4  # HC/mHC streams m
 hc_out_init_scale = True  # HC/mHC: divide attn-out and MLP-down init by sqrt(m) (the study's)
 hc_readout = 'auto'  # HC/mHC final norm: 'auto' (the study's: HC 'norm_sum', mHC 'mean'), 'norm_sum', 'sum', 'mean'
 mhc_sinkhorn_iters = 20  # mHC Sinkhorn-Knopp iterations
+mhc_sinkhorn = 'liger'  # mHC Sinkhorn: 'liger' (the study's default backend, 1e-6 eps), 'plain' (its PyTorch backend)
 mhc_init = 'gap8'  # mHC init: 'gap8' (the study's newest, b_res 0/-8), 'gap8_diag8' (its earlier +8/-8), 'uniform'
 attnres_blocks = 8  # Block AttnRes: number of blocks
 attnres_eps = 1e-5  # AttnRes/Block AttnRes: eps of key norms, read norms and final norm (the study's)
@@ -246,8 +247,8 @@ RUN_CONTROL_KEYS = ('out_dir', 'init_from', 'eval_only', 'stop_iter', 'device', 
                     'dist_timeout')
 # the model's settings (GPTConfig fields): a resumed run keeps the checkpoint's
 MODEL_KEYS = ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'ffn_hidden', 'residual',
-              'hc_streams', 'hc_out_init_scale', 'hc_readout', 'mhc_sinkhorn_iters', 'mhc_init', 'attnres_blocks',
-              'attnres_eps')
+              'hc_streams', 'hc_out_init_scale', 'hc_readout', 'mhc_sinkhorn_iters', 'mhc_sinkhorn', 'mhc_init',
+              'attnres_blocks', 'attnres_eps')
 CHECKPOINT_PARTS = ('model', 'model_args', 'optimizer', 'iter_num', 'loader', 'rng')
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 _out_lock = None

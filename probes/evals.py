@@ -16,9 +16,9 @@ scored with it. Typical use (probe.py does this):
     enc = get_tokenizer('gpt2')
     items = load_task('arc_easy')
     pairs = prepare_pairs(enc, items)               # tokenize once, reuse for every pruned model
-    for l in range(L):
-        res = arc_easy_accuracy(lambda idx: model(idx, order=drop(l)), enc, items, pairs=pairs,
-                                max_len=model.config.block_size)
+    for l in range(L):                              # block l dropped; logits (B, T, V)
+        logits_fn = lambda idx: model(idx, order=[b for b in range(L) if b != l])[0]
+        res = arc_easy_accuracy(logits_fn, enc, items, pairs=pairs, max_len=model.config.block_size)
 
 Run `python -m probes.evals [--tokenizer gpt2] [--eval_dir data/evals]` to print, per prepared task,
 the number of examples and answer tokens, and how many pairs exceed common context lengths.
