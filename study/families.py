@@ -217,8 +217,8 @@ ONEPOINTSIX_SHAPES = ((28, 2048), (40, 1728), (54, 1504))
 # 2.97M training bytes, so a fresh clone reproduces it), T = 256, float32 on the CPU.
 # Budget: MINI_TOKENS_PER_PARAM = 2.5 tokens per backbone parameter (≈2.1M tokens, ≈520
 # steps of 4,096 tokens, less than one pass over the sample), past the early phase where
-# every deeper shape is simply slower to learn. Five schemes, three shapes, three seeds in
-# about 2.5 hours on 2 cores (docs/mini.md has the timing); fast paths on (the CPU torch
+# every deeper shape is simply slower to learn. Five schemes, three shapes, three seeds: 42
+# runs, about 10 process-hours of training on a shared 2-core CPU (docs/mini.md); fast paths on (the CPU torch
 # forms, checked against residuals.py at every start). Block AttnRes in 4 blocks (the
 # study's 8 blocks hold 4-8 sublayers each; 4 blocks give 2 and 4 sublayers at L = 4, 8),
 # and not at L = 2, where every block would be one sublayer: Full AttnRes itself.
