@@ -294,6 +294,10 @@ for _key, (_low, _inclusive) in RANGES.items():
     _v = globals()[_key]
     if _v is not None and (_v < _low or (_v == _low and not _inclusive)):
         fail(f"{_key}={_v:g} must be {'>=' if _inclusive else '>'} {_low}")
+try:  # the fast setting's value, before any data is prepared or model built
+    fastpath.resolve(fast, 'cpu')
+except ValueError as e:
+    fail(str(e))
 if decay_on not in ('all', 'matrices'):
     fail(f"decay_on={decay_on!r}: use 'all' (the study's weight-decay groups) or 'matrices' (nanoGPT's)")
 for _key in ('warmup_frac', 'min_lr_frac'):

@@ -4,7 +4,7 @@ every probe on the deepest models, and each finding beside the paper's number.
 
     python study/sweep.py family=mini seeds=3     # trains the runs, then calls this file's report()
     python study/mini.py                          # probe what is missing, collect, table, figures
-    python study/mini.py --results=docs/mini/results.json   # table and figures from a results file only
+    python study/mini.py --results=docs/mini/results.json   # tables from a results file, figures to out/mini
 
 The sweep is paired: seed k gives every scheme and shape the same data order (train.py's
 loader is seeded by the run's seed alone) and the same held-out windows, so depth costs and
@@ -75,6 +75,12 @@ def probe_missing(root=ROOT, seeds=3):
         if sweep.run_command(cmd, root) != 0:
             failures.append((run.name, 'probe.py failed'))
     return failures
+
+
+def is_results(r):
+    """Whether `r` (parsed JSON) has the shape `collect` writes."""
+    return isinstance(r, dict) and isinstance(r.get('runs'), list) and isinstance(r.get('probes'), dict) \
+        and isinstance(r.get('tokens_per_backbone_param'), (int, float)) and isinstance(r.get('deepest'), int)
 
 
 def _read(path):
@@ -314,18 +320,22 @@ def main(argv=None):
                                      f"{RESULTS}); nothing is probed or written but the figures")
     p.add_argument('--seeds', type=int, default=3)
     p.add_argument('--probe', default=True, type=lambda s: s.lower() == 'true', help="probe what is missing (True)")
-    p.add_argument('--out', default=os.path.dirname(RESULTS), help="where results.json and the figures go")
+    p.add_argument('--out', default=None, help=f"where results.json and the figures go ({os.path.dirname(RESULTS)}; "
+                                               "with --results, the figures only, to out/mini)")
     a = p.parse_args(argv)
     failures = []
     if a.results:
         results = _read(a.results)
-        if results is None:
-            print(f"error: {a.results} is missing or not a results.json", file=sys.stderr)
+        if not is_results(results):
+            print(f"error: {a.results} is missing or not a mini results.json (a dict with 'runs', "
+                  f"'probes', 'tokens_per_backbone_param' and 'deepest')", file=sys.stderr)
             return 2
+        a.out = a.out or os.path.join('out', 'mini')  # the committed figures stay as they are
     else:
         if a.probe:
             failures = probe_missing(ROOT, a.seeds)
         results = collect(ROOT, a.seeds)
+        a.out = a.out or os.path.dirname(RESULTS)
         os.makedirs(os.path.join(ROOT, a.out), exist_ok=True)
         with open(os.path.join(ROOT, a.out, 'results.json'), 'w') as f:
             json.dump(results, f, indent=1)

@@ -119,3 +119,20 @@ def test_plot_only_on_the_committed_results(tmp_path, monkeypatch, capsys):
     assert mini.format_findings(mini.findings(json.loads(COMMITTED.read_text()))) in out
     for name in ('loss_vs_ratio.png', 'probes.png'):
         assert (tmp_path / 'out' / 'mini' / name).stat().st_size > 10_000
+
+
+@pytest.mark.parametrize('text', ['{}', '[]', '{"runs": []}', 'not json'])
+def test_a_results_file_of_the_wrong_shape_is_one_line(tmp_path, capsys, text):
+    bad = tmp_path / 'results.json'
+    bad.write_text(text)
+    assert mini.main([f'--results={bad}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('error: ') and 'not a mini results.json' in err[0]
+
+
+@committed
+def test_results_flag_draws_into_out_not_over_the_committed_figures(tmp_path, monkeypatch):
+    monkeypatch.setattr(mini, 'ROOT', str(tmp_path))
+    assert mini.main([f'--results={COMMITTED}']) == 0
+    assert (tmp_path / 'out' / 'mini' / 'probes.png').exists()
+    assert not (tmp_path / 'docs').exists()

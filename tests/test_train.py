@@ -184,6 +184,9 @@ def one_line_error(r, *needles):
 def test_bad_inputs_give_one_line_errors(data_dir, tmp_path):
     one_line_error(train('--n_layr=3', check=False), 'n_layer')
     one_line_error(train('--device=cpu', f'--data_dir={tmp_path}', check=False), 'train.bin', 'prepare')
+    r = train('--device=cpu', f'--data_dir={tmp_path}', '--fast=maybe', check=False)  # before the data is looked at
+    one_line_error(r, "fast must be 'auto', True or False")
+    assert 'train.bin' not in r.stdout + r.stderr
     one_line_error(train('--device=cpu', f'--data_dir={data_dir}', '--n_embd=100', '--n_head=16', check=False),
                    'not divisible by n_head')
     one_line_error(train('--device=cpu', '--dtype=float16', f'--data_dir={data_dir}', check=False), 'float32')
