@@ -537,9 +537,7 @@ def path_weights(model, windows, batch_size=BATCH_SIZE, progress=False):
     if kind is None:
         raise ValueError(f"path_weights: {no_path_weights(model)}")
     if kind == 'hc':
-        # the readout's weight per stream: 1/m when it averages the streams (mHC), else 1
-        a = 1.0 / model.config.hc_streams if getattr(model.residual, 'readout_mode', 'sum') == 'mean' else 1.0
-        fn = lambda tape: hc_path_weights(tape, L, a)  # noqa: E731
+        fn = lambda tape: hc_path_weights(tape, L, getattr(model.residual, 'readout_weight', 1.0))  # noqa: E731
     elif kind == 'attnres':
         fn = lambda tape: attnres_path_weights(tape, L, _attnres_block_size(model))  # noqa: E731
     else:

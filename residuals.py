@@ -474,6 +474,12 @@ class MultiStream(Residual):
         """The study's reduce_residual_streams: (B, T, m, d) -> (B, T, d), mean or sum."""
         return H.mean(-2) if self.readout_mode == 'mean' else H.sum(-2)
 
+    @property
+    def readout_weight(self):
+        """Each stream's weight in the readout before the final norm (path weights, probe.py):
+        1/m when `reduce` averages the streams, else 1."""
+        return 1.0 / self.m if self.readout_mode == 'mean' else 1.0
+
     def readout(self, H, norm):
         assert H.dim() == 4 and H.size(-2) == self.m, "a multi-stream readout state is (B, T, m, d)"
         if self.readout_mode == 'norm_sum':

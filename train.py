@@ -272,7 +272,11 @@ if init_from == 'resume':
     resume_iter = checkpoint['iter_num']
     # the run's own settings, except those this command line (or a config file) sets: a resume
     # continues the run in out_dir whatever defaults the script has now
-    _saved = {k: v for k, v in checkpoint['model_args'].items() if k in MODEL_KEYS}  # without a config: resolved
+    try:  # from_dict: a field older checkpoints lack takes the value they were trained with
+        _saved = {k: v for k, v in asdict(GPTConfig.from_dict(checkpoint['model_args'])).items() if k in MODEL_KEYS}
+    except (ValueError, TypeError) as e:
+        fail(f"{ckpt_path}: its model_args do not make a model ({e}); restore a good copy or start fresh in "
+             f"another --out_dir")
     _saved.update(checkpoint.get('config') or {})
     for _k in config_keys:
         if _k not in keys_set and _k not in RUN_CONTROL_KEYS and _k in _saved:

@@ -314,3 +314,21 @@ def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(data_dir, tmp_path):
     assert p.returncode == 130, stderr[-2000:]
     assert 'Traceback' not in stderr and 'interrupted at iteration' in stdout and '--init_from=resume' in stdout
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] >= 2  # whole, loadable
+
+
+def test_resuming_a_checkpoint_older_than_a_model_field_records_what_it_trains(data_dir, tmp_path):
+    """A checkpoint written before mhc_sinkhorn existed was trained with the 'plain' Sinkhorn;
+    its resume builds that model (GPTConfig.from_dict) and must record that value, not today's
+    default, in the run's config."""
+    import torch
+    out = tmp_path / 'old'
+    train(*TINY, '--residual=mhc', f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2',
+          '--eval_interval=2')
+    ck = torch.load(out / 'ckpt.pt', weights_only=False)
+    for part in ('model_args', 'config'):
+        ck[part].pop('mhc_sinkhorn', None)                     # as an older train.py wrote it
+    torch.save(ck, out / 'ckpt.pt')
+    train(*TINY, '--residual=mhc', f'--data_dir={data_dir}', f'--out_dir={out}', '--init_from=resume',
+          '--max_iters=3')
+    summary = json.loads((out / 'summary.json').read_text())
+    assert summary['config']['mhc_sinkhorn'] == 'plain'
