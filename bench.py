@@ -103,6 +103,7 @@ gpu_limits = ''  # --suite=gpu: stage time limits, e.g. 'headline=200,preln=100'
 gpu_schemes = 'hc,mhc,blockattnres,moda,sandwich,lns,deepnorm,keel'  # --suite=gpu: the last stage's schemes, while time is left
 gpu_data_dir = None  # --suite=gpu: train.py's --data_dir (None: data/fineweb_edu, the embedded sample prepared on first use)
 compile_steps = 5  # --suite=compile: timed compiled training steps after the first (compiling) one
+compile_repeats = 1  # --suite=compile: rounds of cold compiles per depth; rows give the medians
 
 # Time budget per scheme against Pre-LN: HC/mHC (m streams) and (Block) AttnRes (depth
 # attention over all earlier sublayers) have flat bounds; every other scheme, MoDA included,
@@ -638,46 +639,68 @@ def compile_one(cfg_kw, batch, dtype_name, dev, steps, seed_=1337, fast_setting=
     return res
 
 
-def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print, fast_setting=False):
+def compile_suite(schemes_, layers, cfg_kw, batch, dtype_name, dev, steps, threads_, log=print, fast_setting=False,
+                  repeats=1):
     """`compile_one` for every scheme at every depth, each in a fresh Python process with a
     fresh, empty inductor cache (TORCHINDUCTOR_CACHE_DIR) and compiling in-process
     (TORCHINDUCTOR_COMPILE_THREADS=1, so compile_cpu_s counts the compiler). Depth-major
     order (every scheme at L = 4, then at 8, ...), so a run cut short still has whole rows.
-    Returns rows {scheme, n_layer, ...compile_one's dict, cpu_vs_preln, step_vs_preln}."""
+    `repeats` rounds per depth, each round every scheme once, Pre-LN first: a scheme's ratio
+    is against Pre-LN in the same round, and a row gives the medians over rounds (a cold
+    compile on a shared machine varies by ±10%; the ratios of a round vary less).
+    Returns rows {scheme, n_layer, ...compile_one's dict (medians; graphs, breaks and
+    recompiles the largest), cpu_vs_preln, step_vs_preln, cpu_vs_preln_rounds, repeats}."""
     import subprocess
     import tempfile
+    if repeats < 1:
+        raise ValueError(f"compile_repeats={repeats}: compile each scheme at least once")
     rows = []
     for L in layers:
-        ref = None
+        runs = {name: [] for name in schemes_}
+        for rnd in range(repeats):
+            ref = None
+            for name in schemes_:
+                kw = {**cfg_kw, 'n_layer': L, 'residual': name}
+                code = (f"import json, torch, bench; torch.set_num_threads({threads_ or 1}); "
+                        f"print('RESULT', json.dumps(bench.compile_one({kw!r}, {batch}, {dtype_name!r}, "
+                        f"torch.device({str(dev)!r}), {steps}, fast_setting={fast_setting!r})))")
+                with tempfile.TemporaryDirectory(prefix='inductor_cold_') as cache:
+                    env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1',
+                           'OMP_NUM_THREADS': str(threads_ or 1)}
+                    p = subprocess.run([sys.executable, '-c', code], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                       env=env, capture_output=True, text=True)
+                lines = [ln for ln in p.stdout.splitlines() if ln.startswith('RESULT ')]
+                if p.returncode or not lines:
+                    raise RuntimeError(f"compiling {name} at L={L} failed:\n{p.stderr[-3000:]}")
+                run = json.loads(lines[-1][len('RESULT '):])
+                ref = run if name == 'preln' else ref
+                if ref is not None:
+                    run['cpu_vs_preln'] = run['compile_cpu_s'] / ref['compile_cpu_s']
+                    run['step_vs_preln'] = run['step_ms'] / ref['step_ms']
+                runs[name].append(run)
+                log(f"L={L:>3} {name:>13}" + (f" (round {rnd + 1}/{repeats})" if repeats > 1 else '')
+                    + f": compile {run['compile_s']:7.1f} s wall, {run['compile_cpu_s']:7.1f} s CPU"
+                    + (f" ({run['cpu_vs_preln']:.2f}x Pre-LN)" if 'cpu_vs_preln' in run else '')
+                    + f", step {run['step_ms']:8.1f} ms" + (f" ({run['step_vs_preln']:.2f}x)" if 'step_vs_preln' in run else '')
+                    + f", graphs {run['graphs']}, breaks {run['graph_breaks']}, recompiles {run['recompiles']}")
         for name in schemes_:
-            kw = {**cfg_kw, 'n_layer': L, 'residual': name}
-            code = (f"import json, torch, bench; torch.set_num_threads({threads_ or 1}); "
-                    f"print('RESULT', json.dumps(bench.compile_one({kw!r}, {batch}, {dtype_name!r}, "
-                    f"torch.device({str(dev)!r}), {steps}, fast_setting={fast_setting!r})))")
-            with tempfile.TemporaryDirectory(prefix='inductor_cold_') as cache:
-                env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1',
-                       'OMP_NUM_THREADS': str(threads_ or 1)}
-                p = subprocess.run([sys.executable, '-c', code], cwd=os.path.dirname(os.path.abspath(__file__)),
-                                   env=env, capture_output=True, text=True)
-            lines = [ln for ln in p.stdout.splitlines() if ln.startswith('RESULT ')]
-            if p.returncode or not lines:
-                raise RuntimeError(f"compiling {name} at L={L} failed:\n{p.stderr[-3000:]}")
-            row = dict(scheme=name, n_layer=L, **json.loads(lines[-1][len('RESULT '):]))
-            ref = row if name == 'preln' else ref
-            if ref is not None:
-                row['cpu_vs_preln'] = row['compile_cpu_s'] / ref['compile_cpu_s']
-                row['step_vs_preln'] = row['step_ms'] / ref['step_ms']
+            rs = runs[name]
+            row = dict(scheme=name, n_layer=L, repeats=len(rs), loss_finite=all(r['loss_finite'] for r in rs))
+            for k in ('compile_s', 'compile_cpu_s', 'step_ms', 'cpu_vs_preln', 'step_vs_preln'):
+                if k in rs[0]:
+                    row[k] = statistics.median(r[k] for r in rs)
+            for k in ('graphs', 'graph_breaks', 'recompiles'):
+                row[k] = max(r[k] for r in rs)
+            if 'cpu_vs_preln' in rs[0]:
+                row['cpu_vs_preln_rounds'] = [r['cpu_vs_preln'] for r in rs]
             rows.append(row)
-            log(f"L={L:>3} {name:>13}: compile {row['compile_s']:7.1f} s wall, {row['compile_cpu_s']:7.1f} s CPU"
-                + (f" ({row['cpu_vs_preln']:.2f}x Pre-LN)" if 'cpu_vs_preln' in row else '')
-                + f", step {row['step_ms']:8.1f} ms" + (f" ({row['step_vs_preln']:.2f}x)" if 'step_vs_preln' in row else '')
-                + f", graphs {row['graphs']}, breaks {row['graph_breaks']}, recompiles {row['recompiles']}")
     return rows
 
 
 def format_compile_table(rows):
     """Markdown: CPU seconds to compile the training step, one row per scheme, one column
-    per depth, each 'seconds (x Pre-LN)', and the compiled step time x Pre-LN."""
+    per depth, each 'seconds (x Pre-LN)' (with several rounds: the median, then the rounds'
+    range), and the compiled step time x Pre-LN."""
     layers = sorted({r['n_layer'] for r in rows})
     names = list(dict.fromkeys(r['scheme'] for r in rows))
     at = {(r['scheme'], r['n_layer']): r for r in rows}
@@ -691,6 +714,9 @@ def format_compile_table(rows):
                 cells += ['not measured', '–']
                 continue
             ratio = f" ({r['cpu_vs_preln']:.2f}×)" if 'cpu_vs_preln' in r else ''
+            if r.get('repeats', 1) > 1 and r['scheme'] != 'preln':
+                lo, hi = min(r['cpu_vs_preln_rounds']), max(r['cpu_vs_preln_rounds'])
+                ratio = f" ({r['cpu_vs_preln']:.2f}×, {lo:.2f}–{hi:.2f})"
             cells += [f"{r['compile_cpu_s']:.0f}{ratio}", f"{r['step_vs_preln']:.2f}" if 'step_vs_preln' in r else '–']
         lines.append(f'| {n} | ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines)
@@ -727,6 +753,8 @@ def main(argv=None):
         fastpath.resolve(o.fast, 'cpu')  # a bad setting is one line now, not mid-run
         if o.compile_steps < 1:
             raise ValueError(f"compile_steps={o.compile_steps}: time at least one step")
+        if o.compile_repeats < 1:
+            raise ValueError(f"compile_repeats={o.compile_repeats}: compile each scheme at least once")
         if o.gpu_steps < 2:
             raise ValueError(f"gpu_steps={o.gpu_steps}: run at least 2 steps (the first one compiles)")
         if o.suite == 'gpu':
@@ -773,10 +801,10 @@ def main(argv=None):
         cnames = ['preln'] + [s for s in dict.fromkeys(cnames) if s != 'preln']
         print(f"bench --suite=compile: {', '.join(cnames)} at L = {', '.join(map(str, layers))}, d={o.n_embd} "
               f"T={o.block_size} B={o.batch_size} on {dev} ({dt}, fast={o.fast}), GPT.compile_regions, "
-              f"cold inductor cache per compile")
+              f"cold inductor cache per compile" + (f", medians of {o.compile_repeats} rounds" if o.compile_repeats > 1 else ''))
         ckw = {k: v for k, v in cfg_kw.items() if k != 'batch_size'}
         rows = compile_suite(cnames, layers, ckw, o.batch_size, dt, dev, o.compile_steps, o.threads,
-                             fast_setting=o.fast)
+                             fast_setting=o.fast, repeats=o.compile_repeats)
         print(format_compile_table(rows))
         if o.out:
             write_json(o.out, dict(suite='compile', config=c, dtype=dt, environment=environment(dev), rows=rows,

@@ -571,7 +571,7 @@ class MHCRoute(nn.Module):
 LIGER_SINKHORN_EPS = 1e-6  # liger_kernel's mHC sinkhorn_eps (the study's default backend)
 
 
-def sinkhorn(logits, iters, order='liger', eps=LIGER_SINKHORN_EPS):
+def sinkhorn(logits, iters, order='liger', eps=LIGER_SINKHORN_EPS, rounds=None):
     """Sinkhorn-Knopp: exp(logits) (..., m_in, m_out) -> an approximately doubly stochastic
     P (mHC, arXiv 2512.24880), `iters` rounds of two normalisations.
     order 'liger' (the study's default backend, liger_kernel ops/mhc.py, which stores H_res
@@ -580,6 +580,8 @@ def sinkhorn(logits, iters, order='liger', eps=LIGER_SINKHORN_EPS):
     eps > 0 (liger_kernel's, with order 'liger'): a stable softmax first, then eps added to
     every entry and every denominator; eps = 0 (the PyTorch backend's): the first round in
     the log domain, so that no sum is ever 0 whatever the logits' range.
+    rounds: what runs the other iters - 1 rounds, (P, n, first, last, eps) -> P; default
+    `sinkhorn_rounds` (MHC passes its compiled region of it).
     Raises ValueError for iters not an int >= 1, an unknown order or eps < 0."""
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"Sinkhorn needs an int number of rounds >= 1, got {iters!r}")
@@ -591,10 +593,24 @@ def sinkhorn(logits, iters, order='liger', eps=LIGER_SINKHORN_EPS):
         P = P / (P.sum(last, keepdim=True) + eps)
     else:
         P = torch.softmax(torch.log_softmax(logits, dim=first), dim=last)
-    for _ in range(iters - 1):
-        P = P / (P.sum(first, keepdim=True) + eps)
-        P = P / (P.sum(last, keepdim=True) + eps)
+    return (rounds or sinkhorn_rounds)(P, iters - 1, first, last, eps)
+
+
+def sinkhorn_rounds(P, n, first, last, eps):
+    """n Sinkhorn rounds on P (..., m, m), each a normalisation over dim `first`, then `last`."""
+    for _ in range(n):
+        P = sinkhorn_round(P, first, last, eps)
     return P
+
+
+# torch.compile builds one round and calls it iters - 1 times; unrolled, inductor fuses all
+# rounds into one large kernel that takes longer to compile than a whole Pre-LN block. Eagerly
+# this is a plain call.
+@torch.compiler.nested_compile_region
+def sinkhorn_round(P, first, last, eps):
+    """One Sinkhorn round on P (..., m, m): normalise over dim `first`, then over `last`."""
+    P = P / (P.sum(first, keepdim=True) + eps)
+    return P / (P.sum(last, keepdim=True) + eps)
 
 
 class MHC(MultiStream):
@@ -621,7 +637,8 @@ class MHC(MultiStream):
     """
 
     default_readout = 'mean'  # the study's Liger backend, collapse 'auto'
-    regions = {'coefficients': []}  # the 20 Sinkhorn rounds: hundreds of tiny ops eagerly
+    regions = {'sinkhorn_rounds': []}  # hundreds of tiny ops eagerly. The projection, gates and
+                                       # first normalisation stay eager: compiled, they add kernels to compile
 
     def __init__(self, cfg):
         if cfg.mhc_init not in ('gap8', 'gap8_diag8', 'uniform'):
@@ -662,8 +679,12 @@ class MHC(MultiStream):
         pre, post, res = (logits * gate + r.bias).split([m, m, m * m], dim=-1)   # alpha x' phi + b
         order = self.cfg.mhc_sinkhorn                                             # 'liger' with eps, or 'plain'
         H_res = sinkhorn(res.view(B, T, m, m), self.cfg.mhc_sinkhorn_iters, order,
-                         LIGER_SINKHORN_EPS if order == 'liger' else 0.0)
+                         LIGER_SINKHORN_EPS if order == 'liger' else 0.0, rounds=self.sinkhorn_rounds)
         return torch.sigmoid(pre), H_res, 2 * torch.sigmoid(post)
+
+    def sinkhorn_rounds(self, P, n, first, last, eps):
+        """`sinkhorn_rounds` on P (B, T, m, m): the region that GPT.compile_regions compiles."""
+        return sinkhorn_rounds(P, n, first, last, eps)
 
 
 # ---- single-stream schemes ---------------------------------------------------

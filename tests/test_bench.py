@@ -4,6 +4,7 @@ on the CPU. Times are not checked (performance is measured, not asserted): what 
 that each row measures what it says.
 Run: python -m pytest tests/test_bench.py -q"""
 
+import json
 import math
 
 import pytest
@@ -77,6 +78,31 @@ def test_compile_one_compiles_the_regions_train_py_compiles():
     fast = bench.compile_one(kw, 2, 'float32', torch.device('cpu'), steps=1, fast_setting=True)
     assert fast['loss_finite'] and fast['recompiles'] == 0
     assert fast['graphs'] < plain['graphs']  # the read's region is replaced, not compiled
+
+
+def test_compile_suite_pairs_each_round_with_its_own_pre_ln(monkeypatch):
+    """With compile_repeats, a scheme's ratio is the median of its ratios to Pre-LN's compile
+    in the same round, not a ratio of medians: rounds (Pre-LN 10 s, mHC 19 s), (20, 22),
+    (12, 15.6) give ratios 1.9, 1.1, 1.3 -> 1.30 (the ratio of medians would be 19 / 12)."""
+    import subprocess
+    times = iter([10.0, 19.0, 20.0, 22.0, 12.0, 15.6])
+
+    def fake_run(cmd, **kw):
+        assert kw['env']['TORCHINDUCTOR_CACHE_DIR']  # each compile in its own cold cache
+        t = next(times)
+        res = dict(compile_s=t, compile_cpu_s=t, step_ms=2 * t, graphs=2, graph_breaks=0, recompiles=0, loss_finite=True)
+        return subprocess.CompletedProcess(cmd, 0, 'RESULT ' + json.dumps(res) + '\n', '')
+
+    monkeypatch.setattr(subprocess, 'run', fake_run)
+    rows = bench.compile_suite(['preln', 'mhc'], [32], dict(n_embd=64), 4, 'float32', torch.device('cpu'), 1, 1,
+                               log=lambda *_: None, repeats=3)
+    pre, mhc = rows
+    assert pre['compile_cpu_s'] == 12.0 and mhc['compile_cpu_s'] == 19.0  # medians of the rounds
+    assert mhc['cpu_vs_preln_rounds'] == pytest.approx([1.9, 1.1, 1.3])
+    assert mhc['cpu_vs_preln'] == pytest.approx(1.3) and mhc['repeats'] == 3
+    assert '| mhc | 19 (1.30×, 1.10–1.90) |' in bench.format_compile_table(rows)
+    with pytest.raises(ValueError, match='compile each scheme at least once'):
+        bench.compile_suite(['preln'], [4], {}, 4, 'float32', torch.device('cpu'), 1, 1, repeats=0)
 
 
 @pytest.mark.parametrize('argv,msg', [(['--suite=fastest'], "use 'bench', 'fast'"),

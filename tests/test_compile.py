@@ -110,6 +110,22 @@ def test_regional_compile_gives_the_eager_step_and_does_not_grow_with_depth(resi
     assert counts[0] == counts[1], counts
 
 
+def test_the_compiler_builds_one_sinkhorn_round_not_twenty():
+    """mHC's region holds one Sinkhorn round (two sums) called 19 times, not 19 unrolled
+    rounds: unrolled, inductor fuses them into one large kernel, and mHC compiles in 2x Pre-LN's time."""
+    import residuals
+    gms = []
+    rounds = torch.compile(residuals.sinkhorn_rounds, fullgraph=True,
+                           backend=lambda gm, example: gms.append(gm) or gm.forward)
+    P = torch.rand(2, 3, 4, 4)
+    torch.testing.assert_close(rounds(P, 19, -2, -1, 1e-6), residuals.sinkhorn_rounds(P, 19, -2, -1, 1e-6))
+    gm, = gms
+    calls = [n for n in gm.graph.nodes if 'invoke_subgraph' in str(n.target)]
+    sums = lambda g: sum(1 for n in g.graph.nodes if str(n.target) == 'sum')  # noqa: E731
+    assert len(calls) == 19 and sums(gm) == 0
+    assert [sums(m) for _, m in gm.named_children()] == [2]  # one body, one round
+
+
 @pytest.mark.parametrize('residual,region,impl', [('mhc', 'coefficients', streams.torch_mhc_coefficients),
                                                   ('moda', 'attention', moda.sdpa_attention)])
 def test_a_region_replaced_by_a_fast_path_is_not_compiled(residual, region, impl):

@@ -215,7 +215,8 @@ def hot_mix(self, V, mixer):
 
 def one_round_fewer(monkeypatch):
     plain = residuals.sinkhorn
-    monkeypatch.setattr(residuals, 'sinkhorn', lambda z, iters, order, eps: plain(z, max(iters - 1, 1), order, eps))
+    monkeypatch.setattr(residuals, 'sinkhorn', lambda z, iters, order, eps, rounds=None:
+                        plain(z, max(iters - 1, 1), order, eps, rounds))
 
 
 def mix_transposed(monkeypatch):
