@@ -222,16 +222,16 @@ class GPT(nn.Module):
             self.rope_sin.copy_(sin)
 
     def compile_regions(self, backend='inductor'):
-        """torch.compile the block, not the model: every branch (attention, MLP, and the
-        attention's projections for schemes that call them) and the scheme's `regions` are
-        compiled on their own, each once for all blocks, so compile time does not grow with
-        depth. A region that a fast path has replaced (fast/) stays as it is: the kernel is
-        opaque to the compiler. `backend`: torch.compile's (tests use 'aot_eager'). Returns self."""
+        """torch.compile the block, not the model: every branch (attention, MLP) and the
+        scheme's `regions` are compiled on their own, each once for all blocks, so compile time
+        does not grow with depth. A scheme that calls the attention's pieces one by one (MoDA:
+        qkv, rotate, its region, out) runs the pieces outside its region eagerly: matmuls and
+        reshapes, each of which would cost a compile of its own. A region that a fast path has
+        replaced (fast/) stays as it is: the kernel is opaque to the compiler. `backend`:
+        torch.compile's (tests use 'aot_eager'). Returns self."""
         for blk in self.blocks:
             blk.attn.compile(backend=backend)
             blk.mlp.compile(backend=backend)
-            blk.attn.qkv = torch.compile(blk.attn.qkv, backend=backend)
-            blk.attn.out = torch.compile(blk.attn.out, backend=backend)
         res = self.residual
         for name, grows in res.regions.items():
             if name not in vars(res):  # not replaced by a fast path
