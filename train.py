@@ -717,7 +717,8 @@ def estimate_val_loss(progress=False):
     of val.bin (the same chunks every time, whatever the number of processes; all of them, in
     smaller batches if need be, if val.bin is smaller: `eval_batches`, said in one line).
     Batch k (chunks [k B, (k+1) B)) is scored by rank k mod world.
-    progress: a progress bar on rank 0 (stderr) if the evaluation takes more than 2 s."""
+    progress: a progress bar on rank 0 if the evaluation takes more than 2 s and stderr is a
+    terminal (a log file gets the result lines only)."""
     from tqdm import tqdm
     B, n, chunks = eval_batches()
     if chunks < eval_iters * batch_size and not _eval_said:
@@ -729,8 +730,9 @@ def estimate_val_loss(progress=False):
     model.eval()
     loader = TokenLoader(val_path, B, block_size, shuffle=False)  # one stream: step k = batch k
     total = torch.zeros(2, device=device)
-    for i in tqdm(range(math.ceil(n / world_size)), desc='evaluating', unit='batch', leave=False, delay=2,
-                  disable=not (progress and master)):  # every rank runs as many forwards (FSDP gathers in each)
+    bar = dict(desc='evaluating', unit='batch', leave=False, delay=2,
+               disable=None if progress and master else True)  # None: shown only on a terminal
+    for i in tqdm(range(math.ceil(n / world_size)), **bar):  # every rank runs as many forwards (FSDP gathers in each)
         k = i * world_size + rank
         loader.pos = (k if k < n else 0) * B  # past the end: a forward that counts for nothing
         x, y = loader.next_batch()
