@@ -637,8 +637,9 @@ class MHC(MultiStream):
     """
 
     default_readout = 'mean'  # the study's Liger backend, collapse 'auto'
-    regions = {'sinkhorn_rounds': []}  # rounds 2..20 by default: many tiny ops eagerly. The projection, gates
-                                       # and first normalisation stay eager: compiled, they add kernels to compile
+    # GPT.compile_regions compiles Sinkhorn rounds 2..iters (many tiny ops eagerly); the projection,
+    # gates and first normalisation stay eager: compiled, they would add kernels to compile.
+    regions = {'sinkhorn_rounds': []}
 
     def __init__(self, cfg):
         if cfg.mhc_init not in ('gap8', 'gap8_diag8', 'uniform'):

@@ -730,9 +730,9 @@ def estimate_val_loss(progress=False):
     model.eval()
     loader = TokenLoader(val_path, B, block_size, shuffle=False)  # one stream: step k = batch k
     total = torch.zeros(2, device=device)
-    bar = dict(desc='evaluating', unit='batch', leave=False, delay=2,
-               disable=None if progress and master else True)  # None: shown only on a terminal
-    for i in tqdm(range(math.ceil(n / world_size)), **bar):  # every rank runs as many forwards (FSDP gathers in each)
+    # every rank runs as many forwards (FSDP gathers in each); disable=None: a bar on a terminal only
+    for i in tqdm(range(math.ceil(n / world_size)), desc='evaluating', unit='batch', leave=False, delay=2,
+                  disable=None if progress and master else True):
         k = i * world_size + rank
         loader.pos = (k if k < n else 0) * B  # past the end: a forward that counts for nothing
         x, y = loader.next_batch()
