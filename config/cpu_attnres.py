@@ -1,4 +1,4 @@
-# Quick start on a CPU: a small Full AttnRes model on web text, about 8 minutes on 2 cores.
+# Quick start on a CPU: a small Full AttnRes model on web text, 7–10 minutes on one core.
 # $ python data/fineweb_edu/prepare.py --sample   (train.py also does it when data/fineweb_edu is empty)
 # $ python train.py config/cpu_attnres.py
 # Expect the validation loss to fall from ~10.8 (= ln 50280, uniform) to below 8.
