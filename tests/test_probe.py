@@ -152,6 +152,34 @@ def test_bootstrap_interval_brackets_the_mean_and_shrinks_with_more_units():
     assert np.ptp(probe.bootstrap_ci(big, 500)[1:]) < np.ptp(probe.bootstrap_ci(small, 500)[1:])
 
 
+def test_bootstrap_interval_of_a_hand_worked_sample():
+    """Units (0, 0, 3): a resample of 3 with replacement holds k ~ Binomial(3, 1/3) threes, so
+    its mean k takes 0, 1, 2, 3 with probabilities 8/27, 12/27, 6/27, 1/27 (cumulative 0.296,
+    0.741, 0.963, 1). The 95% percentile interval is (0, 3) (0.963 < 0.975), the 90% one (0, 2)
+    (0.741 < 0.95 < 0.963). Resampling 2 units would put 1/9 of the means at 3 (90%: (0, 3));
+    one tail of 5% or 10% would put the 95% upper end at 2 or 1."""
+    for seed in range(3):
+        mean, lo, hi = probe.bootstrap_ci([0.0, 0.0, 3.0], n_boot=4000, seed=seed)
+        assert (mean, lo, hi) == (1.0, 0.0, 3.0)
+        assert probe.bootstrap_ci([0.0, 0.0, 3.0], n_boot=4000, seed=seed, level=0.90) == (1.0, 0.0, 2.0)
+    # rows are the units: a column that is another plus 5 is resampled with it, its ends shift by 5
+    x = np.random.default_rng(0).normal(size=(12, 1))
+    mean, lo, hi = probe.bootstrap_ci(np.concatenate([x, x + 5.0], 1), n_boot=300, seed=1)
+    assert mean[1] - mean[0] == pytest.approx(5.0) and hi[1] - hi[0] == pytest.approx(5.0)
+    assert lo[1] - lo[0] == pytest.approx(5.0) and hi[0] - lo[0] > 0.3
+
+
+def test_paired_standard_error_of_unequal_differences():
+    """a - b = (1, 0, 0, 1, -1): mean 0.2, squared deviations 0.64 + 0.04 + 0.04 + 0.64 + 1.44
+    = 2.8, sample variance 2.8 / 4 = 0.7, s.e. sqrt(0.7 / 5) = 0.3742 (with n in the variance:
+    0.3347; unpaired, sqrt((0.3 + 0.3) / 5) = 0.3464)."""
+    a, b = [1, 0, 1, 1, 0], [0, 0, 1, 0, 1]
+    assert probe._paired_se(a, b) == pytest.approx(math.sqrt(0.14), rel=1e-12)
+    assert probe._paired_se([2.0, 5.0], [1.0, 1.0]) == pytest.approx(1.5)  # d = (1, 4): s = 3 / sqrt(2)
+    assert probe._paired_se([3.0, 4.0, 9.0], [2.0, 3.0, 8.0]) == 0.0       # equal differences
+    assert math.isnan(probe._paired_se([1.0], [0.0]))
+
+
 def test_late_pair_set_size_and_ratios():
     pairs = probe.late_pairs(32)
     assert len(pairs) == 276 and min(s for s, _ in pairs) == 8 and max(s for s, _ in pairs) == 30
@@ -361,6 +389,39 @@ def test_propagation_stats_use_the_product_in_forward_order(toyhc):
     assert r['erank']['mean'] == pytest.approx(3.0) and r['mean_abs_cos']['mean'] == pytest.approx(0.0, abs=1e-9)
     with pytest.raises(ValueError, match='HC / mHC'):
         probe.propagation_stats(tiny('preln'), windows())
+
+
+def test_propagation_stats_average_per_token_statistics_over_windows():
+    """HC's mixing matrices depend on the token, so the mean of the per-token erank (1.2 here)
+    is far from the erank of the mean product (1.7). Each statistic is computed per token from
+    the product of the recorded mixing matrices, averaged per window, and the interval is the
+    bootstrap over those window means (the window is the unit, not the token)."""
+    model = randomize_scheme(tiny('hc'))
+    w = windows(n=6)
+    with torch.no_grad(), model.residual.trace() as tape:
+        model.hidden(w)
+    mixes = [e['mix'].double() for e in sorted(tape, key=lambda e: (e['block'], e['sublayer']))]
+    assert len(mixes) == 8
+    P = mixes[0]
+    for A in mixes[1:]:
+        P = P @ A                                                       # (B, T, m, m)
+    s = torch.linalg.svdvals(P)
+    p = s / s.sum(-1, keepdim=True)
+    erank = torch.exp(-(p * p.log()).sum(-1))                          # (B, T)
+    cols = P / P.norm(dim=-2, keepdim=True)
+    G = (cols.transpose(-1, -2) @ cols).abs()
+    cos = (G.sum((-1, -2)) - G.diagonal(dim1=-2, dim2=-1).sum(-1)) / (4 * 3)  # off-diagonal mean
+    spec = s / s[..., :1]                                               # (B, T, m)
+    assert erank.std() > 0.1 and abs(erank.mean() - probe.effective_rank(P.mean((0, 1)))) > 0.3
+    r = probe.propagation_stats(model, w, batch_size=4, n_boot=200, seed=3)
+    assert r['n_docs'] == 6 and r['m'] == 4 and r['unit'] == 'window'
+    for key, per_token in (('erank', erank), ('mean_abs_cos', cos), ('spectrum', spec)):
+        per_window = per_token.mean(1).numpy()                          # (B,) or (B, m)
+        mean, lo, hi = probe.bootstrap_ci(per_window, n_boot=200, seed=3)
+        assert np.array(r[key]['mean']) == pytest.approx(per_window.mean(0), rel=1e-9), key
+        assert np.array(r[key]['lo']) == pytest.approx(lo, rel=1e-9), key
+        assert np.array(r[key]['hi']) == pytest.approx(hi, rel=1e-9), key
+    assert r['erank']['hi'] - r['erank']['lo'] > 0.01
 
 
 @pytest.mark.skipif('blockattnres' not in residuals.RESIDUALS, reason="Block AttnRes not registered")
