@@ -512,6 +512,39 @@ def test_prune_scan_scores_the_arc_fixture_and_a_dead_block_changes_nothing(tmp_
         d = np.array([expected_arc(model, enc, [it], skip={b})[1] for it in items]) - base
         assert r['blocks'][b]['se_delta_acc_norm'] == pytest.approx(d.std(ddof=1) / math.sqrt(len(d)))
 
+def test_prune_scan_error_bar_is_the_paired_standard_error_of_unequal_differences(tmp_path):
+    """12 questions on which skipping a block turns some answers right and others wrong: the
+    s.e. of each block's change is the sample s.e. (n - 1) of the per-question differences in
+    acc_norm, each question scored by hand with and without the block; it is not the unpaired
+    s.e. of the two accuracies, which differs here."""
+    from probes import evals
+    rng = np.random.default_rng(0)
+    words = ['rain', 'rocks', 'sun', 'moon', 'water', 'salt', 'tree', 'fish', 'stone', 'air', 'fire', 'ice']
+    items = [{'task': 'arc_easy', 'id': f'q{i}', 'prompt': f'Question: q{i}?\nAnswer:',
+              'choices': [str(c) for c in rng.choice(words, size=3, replace=False)], 'gold': int(rng.integers(0, 3))}
+             for i in range(12)]
+    (tmp_path / 'arc_easy.jsonl').write_text(''.join(json.dumps(it) + '\n' for it in items))
+    items = evals.load_task('arc_easy', tmp_path)
+    enc = get_tokenizer('byte')
+    model = randomize_scheme(tiny('preln', n_layer=3, vocab_size=257, seed=1, block_size=64))
+    with torch.no_grad():  # larger weights: skipping a block changes some answers
+        for p in model.parameters():
+            p.mul_(3)
+    r = probe.prune_scan(model, enc, items, batch_size=4, chunk_items=5)
+    base = np.array([expected_arc(model, enc, [it])[1] for it in items])
+    unequal = 0
+    for b in range(3):
+        right = np.array([expected_arc(model, enc, [it], skip={b})[1] for it in items])
+        d = right - base
+        unequal += len(set(d)) > 1
+        se = math.sqrt(((d - d.mean()) ** 2).sum() / (len(d) - 1) / len(d))
+        got = r['blocks'][b]
+        assert got['delta_acc_norm'] == pytest.approx(d.mean()) and got['se_delta_acc_norm'] == pytest.approx(se, rel=1e-12)
+        if len(set(d)) > 1:
+            assert abs(se - math.sqrt((right.var(ddof=1) + base.var(ddof=1)) / len(d))) > 0.01
+    assert unequal >= 2
+
+
 # -----------------------------------------------------------------------------
 # data, checkpoints and the command line
 
