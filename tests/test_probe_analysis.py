@@ -211,6 +211,37 @@ def test_prune_lm_matches_skipped_forward():
     zero = pa.prune_lm(zero_blocks(tiny('preln'), [2]), w)
     assert zero['delta'][2] == pytest.approx(0.0, abs=1e-6) and zero['se'][2] == pytest.approx(0.0, abs=1e-6)
 
+def test_prune_lm_error_bar_is_the_paired_standard_error_over_windows():
+    """5 windows, each scored alone by a plain forward with and without block b: the s.e. of
+    the loss increase is the sample s.e. (n - 1) of the per-window increases, the window being
+    the unit (not the token, and not the unpaired s.e. of the two losses)."""
+    model = randomize_scheme(tiny('preln', n_layer=3))
+    with torch.no_grad():  # larger weights: skipping a block changes the loss by different amounts
+        for p in model.parameters():
+            p.mul_(3)
+    w = windows(5)
+    r = pa.prune_lm(model, w, batch_size=2)
+    assert r['n_windows'] == 5 and r['n_tokens'] == 5 * (T - 1)
+
+    def window_losses(skip):
+        with torch.no_grad():
+            logits, _ = model(w, skip=skip)
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), w[:, 1:], reduction='none')
+        return ce.mean(1).double().numpy()                          # (5,) mean CE of each window
+
+    clean = window_losses(())
+    gaps = []
+    for b in range(3):
+        skipped = window_losses((b,))
+        d = skipped - clean
+        se = math.sqrt(((d - d.mean()) ** 2).sum() / 4 / 5)
+        assert se > 0.01 and r['se'][b] == pytest.approx(se, rel=1e-4), b
+        assert r['delta'][b] == pytest.approx(d.mean(), rel=1e-4, abs=1e-6)
+        unpaired = math.sqrt((skipped.var(ddof=1) + clean.var(ddof=1)) / 5)
+        gaps.append(abs(unpaired - se) / se)
+    assert max(gaps) > 0.5  # the pairing matters here
+
+
 # -----------------------------------------------------------------------------
 # through probe.py's interface
 
