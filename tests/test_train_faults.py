@@ -285,6 +285,35 @@ def test_lr_schedule_and_gradient_clipping_in_a_run(data_dir, tmp_path):
     assert abs(v12 - v0) < 1e-3, (v0, v12)  # clipped to nothing: no learning
 
 
+# the fp16 loss scaler switched on where train.py runs fp32 (the CPU): losses scaled by 2^16
+SCALER_ON = """
+import torch
+_Scaler = torch.amp.GradScaler
+torch.amp.GradScaler = lambda device='cuda', enabled=True, **k: _Scaler(device, init_scale=2.0**16, enabled=True)
+"""
+
+
+def test_fp16_loss_scaling_is_taken_off_before_clipping(data_dir, tmp_path):
+    """With the fp16 loss scaler on (scale 2^16, exact in fp32), the gradients are unscaled
+    before they are clipped and logged: the gradient norms, per-block norms and losses equal a
+    run without scaling (clipped at 0.05, below every norm here). Clipping the scaled gradients
+    would log norms 2^16 times larger and shrink every update by 2^16."""
+    common = [*TINY, f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=100', '--grad_clip=0.05',
+              '--learning_rate=1e-2']
+    train(*common, f'--out_dir={tmp_path / "plain"}')
+    r = train_injected(SCALER_ON, *common, f'--out_dir={tmp_path / "scaled"}')
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert load(tmp_path / 'scaled' / 'ckpt.pt')['scaler']['scale'] == 2.0**16  # the scaler was on
+    plain, scaled = ([m for m in metrics(tmp_path / run) if 'train_loss' in m] for run in ('plain', 'scaled'))
+    assert [m['iter'] for m in scaled] == [1, 2, 3, 4]
+    assert all(m['grad_norm'] > 0.05 for m in plain)  # the clip binds at every step
+    for a, b in zip(plain, scaled):
+        assert b['grad_norm'] == pytest.approx(a['grad_norm'], rel=1e-5)
+        assert b['block_grad_norm'] == pytest.approx(a['block_grad_norm'], rel=1e-5)
+        assert b['train_loss'] == pytest.approx(a['train_loss'], rel=1e-6)
+    assert abs(plain[-1]['train_loss'] - plain[0]['train_loss']) > 1e-2  # the updates moved the loss
+
+
 def test_gradient_accumulation_equals_the_large_batch(data_dir, tmp_path):
     """2 micro-steps of 4 sequences == 1 step of 8 (the same 8 chunks, the mean of two equal-
     size means): the same training losses (to fp32 rounding), iteration by iteration."""
