@@ -90,18 +90,30 @@ def test_kill_9_mid_checkpoint_leaves_a_temp_file_the_next_run_removes(data_dir,
 def test_scratch_rerun_after_a_kill_before_the_first_checkpoint_keeps_one_history(data_dir, tmp_path):
     """kill -9 at iteration 3, before any ckpt.pt: the same command again starts anew; the dead
     run's rows go to metrics_old1.jsonl (one line says so) and metrics.jsonl holds one row per
-    iteration, the new run's."""
+    iteration, the new run's. Killed again (at iteration 2), the third start puts the second
+    dead run's rows in metrics_old2.jsonl and leaves metrics_old1.jsonl as it was."""
     args = [*TINY, f'--data_dir={data_dir}', '--max_iters=6', '--eval_interval=100']
     out = tmp_path / 'run'
+
+    def old(k):
+        return [json.loads(x)['iter'] for x in (out / f'metrics_old{k}.jsonl').read_text().splitlines()]
+
     r = train_injected(SIGNAL_AT_STEP.format(n=4, sig='SIGKILL'), *args, f'--out_dir={out}')
     assert r.returncode == -signal.SIGKILL and not (out / 'ckpt.pt').exists()
     dead = [m['iter'] for m in metrics(out)]
     assert dead == [0, 1, 2, 3]  # the evaluation at 0, then iterations 1..3
-    r = train(*args, f'--out_dir={out}')
+    r = train_injected(SIGNAL_AT_STEP.format(n=3, sig='SIGKILL'), *args, f'--out_dir={out}')
+    assert r.returncode == -signal.SIGKILL and not (out / 'ckpt.pt').exists()
     said = lines(r.stdout, 'note: ')
     assert len(said) == 1 and 'metrics_old1.jsonl' in said[0] and 'no checkpoint' in said[0], r.stdout
+    assert old(1) == dead and [m['iter'] for m in metrics(out)] == [0, 1, 2]
+    r = train(*args, f'--out_dir={out}')
+    said = lines(r.stdout, 'note: ')
+    assert len(said) == 1 and 'metrics_old2.jsonl' in said[0] and 'no checkpoint' in said[0], r.stdout
     assert [m['iter'] for m in metrics(out)] == [0, 1, 2, 3, 4, 5, 6, 6]  # val 0, train 1..6, val 6
-    assert [json.loads(x)['iter'] for x in (out / 'metrics_old1.jsonl').read_text().splitlines()] == dead
+    assert old(1) == dead and old(2) == [0, 1, 2]
+    assert sorted(p.name for p in out.glob('metrics*.jsonl')) == ['metrics.jsonl', 'metrics_old1.jsonl',
+                                                                   'metrics_old2.jsonl']
 
 
 # -----------------------------------------------------------------------------
