@@ -368,6 +368,39 @@ def test_routing_runs_in_fp32_under_autocast(residual):
             assert (r['mix'].sum(-2) - 1).abs().max() < 1e-4
 
 
+@torch.no_grad()
+def test_blockattnres_partial_sums_accumulate_in_fp32_under_autocast():
+    """docs/fidelity.md: AttnRes partial sums stay fp32. Under bf16 autocast every sublayer
+    output is bf16; the running partial sum P and the frozen block sums are fp32, each the fp32
+    sum of its block's outputs (S = 4 here: P = f_0 + f_1 after block 0, frozen as
+    f_0 + .. + f_3 at k = 4, restarted as f_4 + f_5). Summed in bf16 they would be rounded
+    to 8 bits at every addition."""
+    model = make('blockattnres', attnres_blocks=2)  # 8 sublayers, blocks of 4
+    perturb(model)
+    outs = []
+    for blk in model.blocks:
+        for branch in (blk.attn, blk.mlp):
+            branch.register_forward_hook(lambda mod, args, out: outs.append(out))
+    res, idx = model.residual, tokens()
+    rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        state = res.begin(model.wte(idx))
+        states = []
+        for b in range(4):
+            state = res.block(state, b, model.blocks[b], rope)
+            states.append(state)
+    assert len(outs) == 8 and all(f.dtype == torch.bfloat16 for f in outs)
+    f = [o.float() for o in outs]
+    for st in states:
+        assert all(v.dtype == torch.float32 for v in st.sources) and st.mix.dtype == torch.float32
+        assert st.partial is None or st.partial.dtype == torch.float32
+    assert len(states[0].sources) == 1 and states[1].partial is None and len(states[3].sources) == 3
+    torch.testing.assert_close(states[0].partial, f[0] + f[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(states[1].sources[1], f[0] + f[1] + f[2] + f[3], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(states[2].partial, f[4] + f[5], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(states[3].sources[2], f[4] + f[5] + f[6] + f[7], rtol=1e-6, atol=1e-6)
+
+
 # -----------------------------------------------------------------------------
 # causality, orders, probe states, traces
 
