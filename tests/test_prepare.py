@@ -85,6 +85,50 @@ def test_unknown_tokenizer():
         get_tokenizer('gpt4')
 
 
+def word_tokenizer(path, n_ids, special):
+    """A tokenizer.json (WordLevel) with ids 0..n_ids-1: `special` maps token names to their
+    ids, every other id is a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = dict(special)
+    vocab.update({f'w{i}': i for i in range(n_ids) if i not in special.values()})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token='w0'))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return str(path)
+
+
+def test_tokenizer_json_end_of_text_follows_the_name_order(tmp_path):
+    """The end-of-text id of a tokenizer.json is that of the first name present in the order
+    <|endoftext|>, <|end_of_text|>, </s>, <eos>, <|eot_id|> (neither the smallest nor the largest
+    id, nor the last name found)."""
+    pytest.importorskip('tokenizers')
+    cases = [({'<|endoftext|>': 7, '<|end_of_text|>': 3, '</s>': 9, '<eos>': 1, '<|eot_id|>': 11}, 7),
+             ({'<|end_of_text|>': 6, '</s>': 2, '<eos>': 9, '<|eot_id|>': 4}, 6),
+             ({'</s>': 5, '<eos>': 2, '<|eot_id|>': 8}, 5),
+             ({'<eos>': 3, '<|eot_id|>': 1}, 3),
+             ({'<|eot_id|>': 2, '<pad>': 4}, 2)]
+    for k, (special, eot) in enumerate(cases):
+        tok = get_tokenizer(word_tokenizer(tmp_path / f'{k}.json', 12, special))
+        assert (tok.eot, tok.n_vocab) == (eot, 12), special
+        assert tok.decode([eot]) in special
+    with pytest.raises(ValueError, match='none of the end-of-text tokens'):
+        get_tokenizer(word_tokenizer(tmp_path / 'none.json', 12, {'<pad>': 3, '<s>': 5}))
+
+
+def test_uint16_check_at_its_boundary(tmp_path):
+    """65,536 ids (0..65535) fit the uint16 token files, the largest id included; 65,537 do not."""
+    pytest.importorskip('tokenizers')
+    from data.tokenizer import check_uint16
+    tok = get_tokenizer(word_tokenizer(tmp_path / 'fits.json', 2**16, {'<|endoftext|>': 2**16 - 1}))
+    assert (tok.n_vocab, tok.eot) == (65536, 65535)
+    check_uint16(tok)
+    ids = tok.encode('w1 w65534') + [tok.eot]
+    assert np.array(ids, dtype=np.uint16).tolist() == [1, 65534, 65535]
+    tok = get_tokenizer(word_tokenizer(tmp_path / 'over.json', 2**16 + 1, {'<|endoftext|>': 2**16}))
+    with pytest.raises(ValueError, match=r"65,537 ids; the token files are uint16 \(ids <= 65,535\)"):
+        check_uint16(tok)
+
+
 # ----------------------------------------------------------------------------- fixtures
 
 def write_jsonl(path, records, compress=False):
