@@ -167,6 +167,9 @@ def test_bootstrap_interval_of_a_hand_worked_sample():
     mean, lo, hi = probe.bootstrap_ci(np.concatenate([x, x + 5.0], 1), n_boot=300, seed=1)
     assert mean[1] - mean[0] == pytest.approx(5.0) and hi[1] - hi[0] == pytest.approx(5.0)
     assert lo[1] - lo[0] == pytest.approx(5.0) and hi[0] - lo[0] > 0.3
+    # the seed fixes the resamples: the same seed, the same interval; another, another
+    same, other = (probe.bootstrap_ci(x[:, 0], n_boot=300, seed=k)[1] for k in (1, 2))
+    assert same == pytest.approx(lo[0], rel=1e-12) and abs(other - same) > 1e-3
 
 
 def test_paired_standard_error_of_unequal_differences():
