@@ -420,7 +420,7 @@ def test_propagation_stats_average_per_token_statistics_over_windows():
     assert r['n_docs'] == 6 and r['m'] == 4 and r['unit'] == 'window'
     for key, per_token in (('erank', erank), ('mean_abs_cos', cos), ('spectrum', spec)):
         per_window = per_token.mean(1).numpy()                          # (B,) or (B, m)
-        mean, lo, hi = probe.bootstrap_ci(per_window, n_boot=200, seed=3)
+        _, lo, hi = probe.bootstrap_ci(per_window, n_boot=200, seed=3)
         assert np.array(r[key]['mean']) == pytest.approx(per_window.mean(0), rel=1e-9), key
         assert np.array(r[key]['lo']) == pytest.approx(lo, rel=1e-9), key
         assert np.array(r[key]['hi']) == pytest.approx(hi, rel=1e-9), key
@@ -542,7 +542,8 @@ def test_prune_scan_error_bar_is_the_paired_standard_error_of_unequal_difference
         unequal += len(set(d)) > 1
         se = math.sqrt(((d - d.mean()) ** 2).sum() / (len(d) - 1) / len(d))
         got = r['blocks'][b]
-        assert got['delta_acc_norm'] == pytest.approx(d.mean()) and got['se_delta_acc_norm'] == pytest.approx(se, rel=1e-12)
+        assert got['delta_acc_norm'] == pytest.approx(d.mean())
+        assert got['se_delta_acc_norm'] == pytest.approx(se, rel=1e-12)
         if len(set(d)) > 1:
             assert abs(se - math.sqrt((right.var(ddof=1) + base.var(ddof=1)) / len(d))) > 0.01
     assert unequal >= 2
