@@ -154,10 +154,12 @@ def test_fast_path_matches_the_plain_method(path, cfg_kw, mode, compiled):
             assert have.shape == want.shape and have.dtype == want.dtype, f"output {i}"
             assert rel_err(have, want) <= tol, f"output {i}: relative error {rel_err(have, want):.1e}"
         for i, (have, want) in enumerate(zip(have_grads, want_grads)):
-            assert (have is None) == (want is None), f"gradient {i} ({which}): present in one form only"
-            if want is not None:
-                assert have.dtype == want.dtype, f"gradient {i} ({which})"
-                assert rel_err(have, want) <= tol, f"gradient {i} ({which}): relative error {rel_err(have, want):.1e}"
+            if have is None or want is None:  # an input the used outputs do not reach: None, or zeros once compiled
+                other = want if have is None else have
+                assert other is None or not other.any(), f"gradient {i} ({which}): present in one form only"
+                continue
+            assert have.dtype == want.dtype, f"gradient {i} ({which})"
+            assert rel_err(have, want) <= tol, f"gradient {i} ({which}): relative error {rel_err(have, want):.1e}"
 
 
 def test_every_fast_path_has_inputs_and_replaces_a_plain_method():
