@@ -59,6 +59,9 @@ class RMSNorm(nn.Module):
     def reset_parameters(self):
         nn.init.ones_(self.weight)
 
+    def extra_repr(self):
+        return f"{self.weight.numel()}, eps={self.eps:g}"
+
 
 def no_autocast(x):
     """Autocast off on x's device: routing math runs in the dtype it is given (fp32)."""
@@ -117,6 +120,11 @@ class Residual(nn.Module):
 
     def lens(self, state):
         return state
+
+    def notes(self):
+        """Lines for the start of a run (train.py prints them): settings with which this
+        scheme computes what another scheme does. Default: none."""
+        return []
 
     @contextlib.contextmanager
     def trace(self):
@@ -198,10 +206,14 @@ class AttnResLayer(PreNormLayer):
     mixer that reads block b's *output*: the input of block b+1's attention, or, for the
     last block, the final aggregator. (Block 0's attention reads the embedding directly,
     so every read has exactly one owner and a swap moves a block's MLP-side and
-    output-side mixers with it, as the swap rule of docs/probes.md says.)"""
+    output-side mixers with it, as the swap rule of docs/probes.md says.) Each norm's eps is
+    the one it is used with: mlp_norm cfg.attnres_eps; attn_norm cfg.norm_eps in block 0,
+    which reads the embedding alone, cfg.attnres_eps in the others (`AttnRes.attn_input`)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, b):
         super().__init__(cfg)
+        self.attn_norm.eps = cfg.norm_eps if b == 0 else cfg.attnres_eps
+        self.mlp_norm.eps = cfg.attnres_eps
         self.mlp_mix = DepthMixer(cfg)
         self.out_mix = DepthMixer(cfg)
 
@@ -230,7 +242,7 @@ class AttnRes(Residual):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.layers = nn.ModuleList([AttnResLayer(cfg) for _ in range(cfg.n_layer)])
+        self.layers = nn.ModuleList([AttnResLayer(cfg, b) for b in range(cfg.n_layer)])
 
     def init_weights(self, model):
         super().init_weights(model)
@@ -253,9 +265,11 @@ class AttnRes(Residual):
         return z, a
 
     def attn_input(self, p, mix, embedding_only):
-        """The attention input of a block with parameters p: its attn_norm on the embedding
-        alone (the study's block 0, eps cfg.norm_eps), else on a read's result (attnres_eps)."""
-        return p.attn_norm(mix) if embedding_only else rms_norm_eps(mix, p.attn_norm, self.cfg.attnres_eps)
+        """The attention input of a block with parameters p: its attn_norm's gain on the
+        embedding alone (the study's block 0, eps cfg.norm_eps), else on a read's result
+        (eps attnres_eps). In the model's order these are attn_norm's own eps; a block run
+        out of its place (a swap) keeps the eps of the place it runs in."""
+        return rms_norm_eps(mix, p.attn_norm, self.cfg.norm_eps if embedding_only else self.cfg.attnres_eps)
 
     def begin(self, x):
         return (x,), x
@@ -266,7 +280,7 @@ class AttnRes(Residual):
         sources = sources + (layer.attn(self.attn_input(p, mix, len(sources) == 1), rope),)
         z, a = self.read(sources, p.mlp_mix)
         self.record(b, 1, weights=a)
-        sources = sources + (layer.mlp(rms_norm_eps(z, p.mlp_norm, self.cfg.attnres_eps)),)
+        sources = sources + (layer.mlp(p.mlp_norm(z)),)
         mix, a = self.read(sources, p.out_mix)
         self.record(b + 1, 0, weights=a)  # the read of the next block's attention (or the final one)
         return sources, mix
@@ -333,6 +347,17 @@ class BlockAttnRes(AttnRes):
                              f"{[n for n in range(1, n_sub + 1) if n_sub % n == 0]}")
         self.group_size = n_sub // n_blocks  # S, sublayers per AttnRes block
 
+    def notes(self):
+        n_sub, S = 2 * self.cfg.n_layer, self.group_size
+        if S == 1:
+            return [f"Block AttnRes with attnres_blocks={self.cfg.attnres_blocks} and 2L = {n_sub} sublayers "
+                    f"is Full AttnRes: one sublayer per block, every source a sublayer output (blocks of "
+                    f"several sublayers: attnres_blocks a divisor of {n_sub} below {n_sub})"]
+        if S == n_sub:
+            return [f"Block AttnRes with attnres_blocks={self.cfg.attnres_blocks}: one block holds all {n_sub} "
+                    f"sublayers, so every read sees only the embedding and the running sum"]
+        return []
+
     def read_at(self, sources, partial, k, mixer, b, j):
         """The input of sublayer k (recorded as block b, sublayer j): freezes P at a boundary,
         then reads the embedding, the frozen blocks and P. -> (sources, partial, z, boundary)."""
@@ -354,7 +379,7 @@ class BlockAttnRes(AttnRes):
         f = layer.attn(self.attn_input(p, mix, len(sources) == 1 and partial is None), rope)
         partial = f.to(sources[0].dtype) if partial is None else partial + f  # sums in the embedding's dtype
         sources, partial, z, _ = self.read_at(sources, partial, k + 1, p.mlp_mix, b, 1)
-        f = layer.mlp(rms_norm_eps(z, p.mlp_norm, self.cfg.attnres_eps))
+        f = layer.mlp(p.mlp_norm(z))
         partial = f.to(sources[0].dtype) if partial is None else partial + f
         # the read of the next block's attention, or the final aggregator (recorded as block b+1)
         sources, partial, mix, boundary = self.read_at(sources, partial, k + 2, p.out_mix, b + 1, 0)
