@@ -269,7 +269,8 @@ class AttnRes(Residual):
         embedding alone (the study's block 0, eps cfg.norm_eps), else on a read's result
         (eps attnres_eps). In the model's order these are attn_norm's own eps; a block run
         out of its place (a swap) keeps the eps of the place it runs in."""
-        return rms_norm_eps(mix, p.attn_norm, self.cfg.norm_eps if embedding_only else self.cfg.attnres_eps)
+        eps = self.cfg.norm_eps if embedding_only else self.cfg.attnres_eps
+        return p.attn_norm(mix) if p.attn_norm.eps == eps else rms_norm_eps(mix, p.attn_norm, eps)
 
     def begin(self, x):
         return (x,), x
