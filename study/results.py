@@ -14,9 +14,7 @@ import textwrap
 
 from study import families
 
-ROOT = families.ROOT
-
-
+ROOT = families.ROOT  # the repo root; every function takes root= for another checkout
 BASE_SEED = 1337  # train.py's default seed: seed index 0 is the run exactly as configured
 
 
