@@ -17,8 +17,7 @@ What each residual scheme costs in wall-clock time and memory on this machine
                                             # OpenMP threads on two busy cores are slow and erratic
     python bench.py --suite=fast --schemes=attnres,hc,mhc,moda ...   # each scheme fast / plain (fast/)
     python bench.py --suite=compile ...     # cold-cache compile time of the training step against depth
-    python bench.py --suite=gpu             # the staged GPU check, tools/gpu_check.py (--tiny=True: tiny shapes, CPU)
-                                            # both: docs/gpu.md
+    python tools/gpu_check.py               # the staged GPU check (docs/gpu.md), a tool of its own
 
 For every scheme: training-step time (forward + backward + AdamW step), prefill
 throughput (no_grad forward, tokens/s), MFU (CUDA only: model.estimate_mfu; None on the
@@ -92,16 +91,9 @@ learning_rate = 3e-4  # AdamW learning rate of the timed steps (does not affect 
 threads = 0  # torch CPU threads; 0 = torch's default (one per core). 1 is steadier on a shared machine
 seed = 1337
 out = 'out/bench.json'  # results as JSON; '' = do not write
-suite = 'bench'  # 'bench': the timing table above; 'fast': each scheme with fast paths on / off; 'compile': cold compile time vs depth; 'gpu': the one-call GPU check
+suite = 'bench'  # 'bench': the timing table above; 'fast': each scheme with fast paths on / off; 'compile': cold compile time vs depth
 compile_layers = '4,8,16,32'  # --suite=compile: the depths L to compile each scheme at
 compile_schemes = 'preln,attnres,blockattnres,hc,mhc,moda'  # --suite=compile: schemes, each at every depth
-tiny = False  # --suite=gpu: tiny shapes instead of the 400M ones (the CPU test of the check)
-gpu_steps = 8  # --suite=gpu: optimizer steps of each train.py stage (the first compiles)
-gpu_out = 'out/gpu_check.jsonl'  # --suite=gpu: one JSON line per stage, appended as each ends (and a .md beside it)
-gpu_budget_s = 480.0  # --suite=gpu: seconds for the whole check
-gpu_limits = ''  # --suite=gpu: stage time limits, e.g. 'headline=200,preln=100' (tools/gpu_check.py LIMITS_S)
-gpu_schemes = 'hc,mhc,blockattnres,moda,sandwich,lns,deepnorm,keel'  # --suite=gpu: the last stage's schemes, while time is left
-gpu_data_dir = None  # --suite=gpu: train.py's --data_dir (None: data/fineweb_edu, the embedded sample prepared on first use)
 compile_steps = 5  # --suite=compile: timed compiled training steps after the first (compiling) one
 compile_repeats = 1  # --suite=compile: rounds of cold compiles per depth; rows give the medians
 
@@ -168,7 +160,9 @@ class PlainBlock(nn.Module):
 
 
 class PlainGPT(nn.Module):
-    """A pre-norm GPT with the backbone of model.py (paper Sec. 2.2) and nothing else: the
+    """The named baseline of bench.py's "Pre-LN vs plain" comparison (the cost of the scheme
+    interface, docs/performance.md), not a model to train (train.py trains model.GPT).
+    A pre-norm GPT with the backbone of model.py (paper Sec. 2.2) and nothing else: the
     same parameters as GPT(cfg) with residual='preln' (state_dict names map by
     `plain_state_dict`). forward(idx, targets) -> (logits (B, T, V), mean cross-entropy in
     nats or None), as GPT. hc_streams > 0 wires the PyPI hyper-connections package (one
@@ -722,10 +716,6 @@ def format_compile_table(rows):
     return '\n'.join(lines)
 
 
-# -----------------------------------------------------------------------------
-# --suite=gpu: the staged check of the headline command on one GPU (tools/gpu_check.py, docs/gpu.md)
-
-
 def write_json(path, obj):
     """Writes obj as JSON atomically (temp file, fsync, rename)."""
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
@@ -746,20 +736,16 @@ def main(argv=None):
     c = {k: globals()[k] for k in keys}
     try:
         configure(c, keys, sys.argv[1:] if argv is None else argv, help_text=comments_from_source(__file__),
-                  none_types={'n_kv_head': int, 'dtype': str, 'gpu_data_dir': str, 'fast': (str, bool)})
+                  none_types={'n_kv_head': int, 'dtype': str, 'fast': (str, bool)})
         o = types.SimpleNamespace(**c)
-        if o.suite not in ('bench', 'fast', 'compile', 'gpu'):
-            raise ValueError(f"suite={o.suite!r}: use 'bench', 'fast', 'compile' or 'gpu'")
+        if o.suite not in ('bench', 'fast', 'compile'):
+            raise ValueError(f"suite={o.suite!r}: use 'bench', 'fast' or 'compile' (the GPU check is "
+                             f"tools/gpu_check.py)")
         fastpath.resolve(o.fast, 'cpu')  # a bad setting is one line now, not mid-run
         if o.compile_steps < 1:
             raise ValueError(f"compile_steps={o.compile_steps}: time at least one step")
         if o.compile_repeats < 1:
             raise ValueError(f"compile_repeats={o.compile_repeats}: compile each scheme at least once")
-        if o.gpu_steps < 2:
-            raise ValueError(f"gpu_steps={o.gpu_steps}: run at least 2 steps (the first one compiles)")
-        if o.suite == 'gpu':
-            from tools.gpu_check import parse_limits
-            parse_limits(o.gpu_limits)
         if o.suite == 'compile':
             for v in o.compile_layers.split(','):
                 if not v.strip().isdigit() or int(v) < 1:
@@ -823,14 +809,6 @@ def main(argv=None):
                                    table=format_fast_table(rows)))
             print(f"wrote {o.out}")
         return rows
-    if o.suite == 'gpu':
-        from tools import gpu_check
-        return gpu_check.main([f'--out={o.gpu_out}', f'--device={o.device}', f'--steps={o.gpu_steps}',
-                               f'--budget={o.gpu_budget_s}', f'--schemes={o.gpu_schemes}',
-                               f'--compile={o.compile or (dev.type == "cuda" and not o.tiny)}']
-                              + (['--tiny', '--fast=True'] if o.tiny else [])  # tiny: fast paths on, as on a GPU
-                              + ([f'--limits={o.gpu_limits}'] if o.gpu_limits else [])
-                              + ([f'--data_dir={o.gpu_data_dir}'] if o.gpu_data_dir else []))
     nt, n_step = torch.get_num_threads(), steps_per_round(o.steps, o.rounds)
     print(f"bench: {', '.join(names)} + plain on {dev} ({dt}, compile={o.compile}, fast={o.fast}, {nt} "
           f"CPU thread{'s' if nt != 1 else ''}), L={o.n_layer} d={o.n_embd} T={o.block_size} B={o.batch_size} V={o.vocab_size}, "

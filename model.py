@@ -21,6 +21,10 @@ scheme alike (the diagnostics of the paper's Sec. 4 use exactly that).
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, residual='attnres'))
     logits, loss = model(idx, targets)        # idx, targets: (B, T) int64
+    model.compile()                           # regional: not torch.compile(model), see compile_regions
+
+torch.compile(model) traces all L blocks as one graph and takes minutes to compile at depth;
+`model.compile()` (= `compile_regions`) compiles each piece once for all blocks, in seconds.
 """
 
 import inspect
@@ -237,6 +241,12 @@ class GPT(nn.Module):
             if name not in vars(res):  # not replaced by a fast path
                 setattr(res, name, compiled_region(getattr(res, name), grows, backend))
         return self
+
+    def compile(self, backend='inductor'):
+        """model.compile() is `compile_regions`: nn.Module.compile would trace the whole model
+        as one graph, every block unrolled, and take minutes to compile at depth where the
+        regions take seconds. Returns self."""
+        return self.compile_regions(backend)
 
     def num_params(self, non_embedding=False):
         """Number of parameters; non_embedding=True leaves out the token embedding

@@ -59,6 +59,9 @@ class RMSNorm(nn.Module):
     def reset_parameters(self):
         nn.init.ones_(self.weight)
 
+    def extra_repr(self):
+        return f"{self.weight.numel()}, eps={self.eps:g}"
+
 
 def no_autocast(x):
     """Autocast off on x's device: routing math runs in the dtype it is given (fp32)."""
@@ -117,6 +120,11 @@ class Residual(nn.Module):
 
     def lens(self, state):
         return state
+
+    def notes(self):
+        """Lines for the start of a run (train.py prints them): settings with which this
+        scheme computes what another scheme does. Default: none."""
+        return []
 
     @contextlib.contextmanager
     def trace(self):
@@ -198,10 +206,14 @@ class AttnResLayer(PreNormLayer):
     mixer that reads block b's *output*: the input of block b+1's attention, or, for the
     last block, the final aggregator. (Block 0's attention reads the embedding directly,
     so every read has exactly one owner and a swap moves a block's MLP-side and
-    output-side mixers with it, as the swap rule of docs/probes.md says.)"""
+    output-side mixers with it, as the swap rule of docs/probes.md says.) Each norm's eps is
+    the one it is used with: mlp_norm cfg.attnres_eps; attn_norm cfg.norm_eps in block 0,
+    which reads the embedding alone, cfg.attnres_eps in the others (`AttnRes.attn_input`)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, b):
         super().__init__(cfg)
+        self.attn_norm.eps = cfg.norm_eps if b == 0 else cfg.attnres_eps
+        self.mlp_norm.eps = cfg.attnres_eps
         self.mlp_mix = DepthMixer(cfg)
         self.out_mix = DepthMixer(cfg)
 
@@ -230,7 +242,7 @@ class AttnRes(Residual):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.layers = nn.ModuleList([AttnResLayer(cfg) for _ in range(cfg.n_layer)])
+        self.layers = nn.ModuleList([AttnResLayer(cfg, b) for b in range(cfg.n_layer)])
 
     def init_weights(self, model):
         super().init_weights(model)
@@ -253,9 +265,12 @@ class AttnRes(Residual):
         return z, a
 
     def attn_input(self, p, mix, embedding_only):
-        """The attention input of a block with parameters p: its attn_norm on the embedding
-        alone (the study's block 0, eps cfg.norm_eps), else on a read's result (attnres_eps)."""
-        return p.attn_norm(mix) if embedding_only else rms_norm_eps(mix, p.attn_norm, self.cfg.attnres_eps)
+        """The attention input of a block with parameters p: its attn_norm's gain on the
+        embedding alone (the study's block 0, eps cfg.norm_eps), else on a read's result
+        (eps attnres_eps). In the model's order these are attn_norm's own eps; a block run
+        out of its place (a swap) keeps the eps of the place it runs in."""
+        eps = self.cfg.norm_eps if embedding_only else self.cfg.attnres_eps
+        return p.attn_norm(mix) if p.attn_norm.eps == eps else rms_norm_eps(mix, p.attn_norm, eps)
 
     def begin(self, x):
         return (x,), x
@@ -266,7 +281,7 @@ class AttnRes(Residual):
         sources = sources + (layer.attn(self.attn_input(p, mix, len(sources) == 1), rope),)
         z, a = self.read(sources, p.mlp_mix)
         self.record(b, 1, weights=a)
-        sources = sources + (layer.mlp(rms_norm_eps(z, p.mlp_norm, self.cfg.attnres_eps)),)
+        sources = sources + (layer.mlp(p.mlp_norm(z)),)
         mix, a = self.read(sources, p.out_mix)
         self.record(b + 1, 0, weights=a)  # the read of the next block's attention (or the final one)
         return sources, mix
@@ -333,6 +348,17 @@ class BlockAttnRes(AttnRes):
                              f"{[n for n in range(1, n_sub + 1) if n_sub % n == 0]}")
         self.group_size = n_sub // n_blocks  # S, sublayers per AttnRes block
 
+    def notes(self):
+        n_sub, S = 2 * self.cfg.n_layer, self.group_size
+        if S == 1:
+            return [f"Block AttnRes with attnres_blocks={self.cfg.attnres_blocks} and 2L = {n_sub} sublayers "
+                    f"is Full AttnRes: one sublayer per block, every source a sublayer output (blocks of "
+                    f"several sublayers: attnres_blocks a divisor of {n_sub} below {n_sub})"]
+        if S == n_sub:
+            return [f"Block AttnRes with attnres_blocks={self.cfg.attnres_blocks}: one block holds all {n_sub} "
+                    f"sublayers, so every read sees only the embedding and the running sum"]
+        return []
+
     def read_at(self, sources, partial, k, mixer, b, j):
         """The input of sublayer k (recorded as block b, sublayer j): freezes P at a boundary,
         then reads the embedding, the frozen blocks and P. -> (sources, partial, z, boundary)."""
@@ -354,7 +380,7 @@ class BlockAttnRes(AttnRes):
         f = layer.attn(self.attn_input(p, mix, len(sources) == 1 and partial is None), rope)
         partial = f.to(sources[0].dtype) if partial is None else partial + f  # sums in the embedding's dtype
         sources, partial, z, _ = self.read_at(sources, partial, k + 1, p.mlp_mix, b, 1)
-        f = layer.mlp(rms_norm_eps(z, p.mlp_norm, self.cfg.attnres_eps))
+        f = layer.mlp(p.mlp_norm(z))
         partial = f.to(sources[0].dtype) if partial is None else partial + f
         # the read of the next block's attention, or the final aggregator (recorded as block b+1)
         sources, partial, mix, boundary = self.read_at(sources, partial, k + 2, p.out_mix, b + 1, 0)
@@ -397,12 +423,15 @@ class RoutedLayer(PreNormLayer):
 class MultiStream(Residual):
     """Base of the m-stream schemes (HC, mHC). State: H (B, T, m, d), m = cfg.hc_streams.
 
-    Per sublayer the subclass computes, per token, a read vector r (m), a mixing matrix
-    M (m x m) and a write vector w (m) from the streams (`coefficients`), and then
+    Per sublayer the subclass computes, per token, from the streams (`coefficients`) the
+    read vector A_m (m), the mixing matrix A_r (m x m) and the write vector beta (m), the
+    HC paper's names (mHC's H_pre, H_res, H_post), and then
 
-        x = sum_s r[s] H[s],   y = F(RMSNorm(x)),   H'[t] = sum_s M[s, t] H[s] + w[t] y
+        x = A_m^T H  = sum_s A_m[s] H[s]                                (`read_streams`)
+        y = F(RMSNorm(x))
+        H' = A_r^T H + beta (x) y:  H'[t] = sum_s A_r[s, t] H[s] + beta[t] y   (`write_streams`)
 
-    (`read_streams`, `write_streams`; RMSNorm = the sublayer's attn_norm / mlp_norm). The
+    (RMSNorm = the sublayer's attn_norm / mlp_norm; A_r^T H is the mix of the streams). The
     routing runs in fp32 with autocast off (the streams are fp32, as Pre-LN's residual
     stream); only the branch F runs under autocast. The embedding is copied into every
     stream. end = the streams H, and `readout` applies the final RMSNorm as cfg.hc_readout says
@@ -412,7 +441,7 @@ class MultiStream(Residual):
       'mean':     RMSNorm_f(mean_s H[s]) (mHC: the study's Liger backend, collapse 'mean')
     lens = the streams, decoded by `readout` (its KL to the output is 0 after the last block);
     probe = the streams concatenated (B, T, m d); skip = identity on all streams. Trace per
-    sublayer: read r (B, T, m), mix M (B, T, m, m), write w (B, T, m).
+    sublayer: read A_m (B, T, m), mix A_r (B, T, m, m), write beta (B, T, m).
     """
 
     default_readout = 'sum'  # what hc_readout='auto' means for the subclass (the study's code)
@@ -442,25 +471,27 @@ class MultiStream(Residual):
                 blk.mlp.w_down.weight.div_(math.sqrt(self.m))
 
     def coefficients(self, H, route):
-        """H (B, T, m, d) fp32 -> r (B, T, m), M (B, T, m, m), w (B, T, m), fp32."""
+        """H (B, T, m, d) fp32, the sublayer's routing parameters `route` -> A_m (B, T, m),
+        A_r (B, T, m, m), beta (B, T, m), fp32."""
         raise NotImplementedError
 
-    def read_streams(self, H, r):
-        """x = sum_s r[s] H[s]: (B, T, m, d), (B, T, m) -> (B, T, d)."""
-        return torch.einsum('bts,btsd->btd', r, H)
+    def read_streams(self, H, A_m):
+        """x = A_m^T H = sum_s A_m[s] H[s]: (B, T, m, d), (B, T, m) -> (B, T, d)."""
+        return torch.einsum('bts,btsd->btd', A_m, H)
 
-    def write_streams(self, H, M, w, y):
-        """H'[t] = sum_s M[s, t] H[s] + w[t] y: (B, T, m, d), (B, T, m, m), (B, T, m), (B, T, d) -> (B, T, m, d)."""
-        return torch.einsum('btsu,btsd->btud', M, H) + w.unsqueeze(-1) * y.unsqueeze(-2)
+    def write_streams(self, H, A_r, beta, y):
+        """H' = A_r^T H + beta (x) y, H'[t] = sum_s A_r[s, t] H[s] + beta[t] y:
+        (B, T, m, d), (B, T, m, m), (B, T, m), (B, T, d) -> (B, T, m, d)."""
+        return torch.einsum('btsu,btsd->btud', A_r, H) + beta.unsqueeze(-1) * y.unsqueeze(-2)
 
     def sublayer(self, H, b, j, route, norm, f):
         with no_autocast(H):
-            r, M, w = self.coefficients(H, route)
-            x = self.read_streams(H, r)                        # (B, T, d)
-        self.record(b, j, read=r, mix=M, write=w)
-        y = f(norm(x))                                         # the branch, under autocast if on
+            A_m, A_r, beta = self.coefficients(H, route)
+            x = self.read_streams(H, A_m)                           # (B, T, d)
+        self.record(b, j, read=A_m, mix=A_r, write=beta)
+        y = f(norm(x))                                              # the branch, under autocast if on
         with no_autocast(H):
-            return self.write_streams(H, M, w, y.to(H.dtype))  # (B, T, m, d)
+            return self.write_streams(H, A_r, beta, y.to(H.dtype))  # (B, T, m, d)
 
     def begin(self, x):
         return x.unsqueeze(-2).repeat(1, 1, self.m, 1)  # (B, T, m, d), m copies of the embedding
@@ -491,8 +522,9 @@ class MultiStream(Residual):
 
 
 class HCRoute(nn.Module):
-    """Routing parameters of one HC sublayer: static [A_m | A_r] (m, m+1) and beta (m),
-    dynamic projections W (d, m+1) and w_beta (d), scalar scales s_alpha, s_beta."""
+    """Routing parameters of one HC sublayer (HC's equations): static_alpha (m, m+1), the
+    static [A_m | A_r], and static_beta (m); the dynamic projections dynamic_alpha (d, m+1)
+    and dynamic_beta (d); the scalar scales alpha_scale, beta_scale."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -508,15 +540,19 @@ class HCRoute(nn.Module):
 class HC(MultiStream):
     """Hyper-Connections (Zhu et al., arXiv 2409.19606, dynamic variant; paper Appendix A).
 
-    m streams H (B, T, m, d). Sublayer k, with H_bar = RMS(H) per stream (no weight, eps 1e-8):
+    m streams H (B, T, m, d). Sublayer k, with H_bar = RMS(H) per stream (no weight, eps 1e-8),
+    the paper's W_alpha = dynamic_alpha, s_alpha = alpha_scale (and so for beta):
 
-        [A_m | A_r] = static_alpha + s_alpha * tanh(H_bar W)      (m, m+1) per token
-        beta        = static_beta  + s_beta  * tanh(H_bar w_beta) (m)
-        x = A_m^T H,   f = F(RMSNorm(x)),   H' = A_r^T H + beta (x) f
+        [A_m | A_r] = static_alpha + alpha_scale * tanh(H_bar dynamic_alpha)   (m, m+1) per token
+        beta        = static_beta  + beta_scale  * tanh(H_bar dynamic_beta)    (m)         (`coefficients`)
+        x = A_m^T H                                                                        (`read_streams`)
+        f = F(RMSNorm(x))
+        H' = A_r^T H + beta (x) f                                                          (`write_streams`)
 
-    The coefficients come from the normalised streams but multiply the raw ones. Init:
-    A_m = one-hot e_{k mod m} (k = 2b + j), A_r = I, beta = 1, W = w_beta = 0,
-    s_alpha = s_beta = 0.01, and (cfg.hc_out_init_scale, the study's default) attention-out
+    read_streams and write_streams are MultiStream's (shared with mHC). The coefficients
+    come from the normalised streams but multiply the raw ones. Init: A_m = one-hot
+    e_{k mod m} (k = 2b + j), A_r = I, beta = 1, dynamic_alpha = dynamic_beta = 0,
+    alpha_scale = beta_scale = 0.01, and (cfg.hc_out_init_scale, the study's default) attention-out
     and SwiGLU-down init divided by sqrt(m): every stream then equals Pre-LN's h with the same
     (rescaled) backbone. Extra parameters per sublayer: (m+2)(m+d) + 2. Weight decay: static_alpha
     and static_beta are exempt (the study's hyper_connections_common.py). A_r is applied (one
@@ -532,25 +568,26 @@ class HC(MultiStream):
     def init_weights(self, model):
         super().init_weights(model)
         m = self.m
-        for k, r in self.routes():
-            r.static_alpha.zero_()
-            r.static_alpha[k % m, 0] = 1.0                      # A_m: read stream k mod m
-            r.static_alpha[:, 1:] = torch.eye(m)                # A_r: identity
-            r.static_beta.fill_(1.0)
-            r.dynamic_alpha.zero_()
-            r.dynamic_beta.zero_()
-            r.alpha_scale.fill_(0.01)
-            r.beta_scale.fill_(0.01)
+        for k, route in self.routes():
+            route.static_alpha.zero_()
+            route.static_alpha[k % m, 0] = 1.0                  # A_m: read stream k mod m
+            route.static_alpha[:, 1:] = torch.eye(m)            # A_r: identity
+            route.static_beta.fill_(1.0)
+            route.dynamic_alpha.zero_()
+            route.dynamic_beta.zero_()
+            route.alpha_scale.fill_(0.01)
+            route.beta_scale.fill_(0.01)
 
     def no_weight_decay(self):
         return {f'layers.{b}.{s}_route.{n}' for b in range(len(self.layers))
                 for s in ('attn', 'mlp') for n in ('static_alpha', 'static_beta')}
 
-    def coefficients(self, H, r):
-        Hn = F.rms_norm(H, (H.size(-1),), eps=1e-8)                                  # H_bar (B, T, m, d)
-        C = r.static_alpha + r.alpha_scale * torch.tanh(Hn @ r.dynamic_alpha)        # (B, T, m, m+1) = [A_m | A_r]
-        w = r.static_beta + r.beta_scale * torch.tanh(Hn @ r.dynamic_beta)           # (B, T, m)
-        return C[..., 0].contiguous(), C[..., 1:].contiguous(), w  # contiguous: the CPU batched matmul's fast path
+    def coefficients(self, H, route):
+        H_bar = F.rms_norm(H, (H.size(-1),), eps=1e-8)                                     # (B, T, m, d)
+        A = route.static_alpha + route.alpha_scale * torch.tanh(H_bar @ route.dynamic_alpha)  # (B, T, m, m+1)
+        beta = route.static_beta + route.beta_scale * torch.tanh(H_bar @ route.dynamic_beta)  # (B, T, m)
+        A_m, A_r = A[..., 0].contiguous(), A[..., 1:].contiguous()  # contiguous: the CPU batched matmul's fast path
+        return A_m, A_r, beta
 
 
 class MHCRoute(nn.Module):
@@ -573,27 +610,29 @@ LIGER_SINKHORN_EPS = 1e-6  # liger_kernel's mHC sinkhorn_eps (the study's defaul
 
 def sinkhorn(logits, iters, order='liger', eps=LIGER_SINKHORN_EPS, rounds=None):
     """Sinkhorn-Knopp: exp(logits) (..., m_in, m_out) -> an approximately doubly stochastic
-    P (mHC, arXiv 2512.24880), `iters` rounds of two normalisations.
+    P (mHC, arXiv 2512.24880), `iters` rounds of two normalisations: round 1 here, rounds
+    2..iters in `sinkhorn_rounds`, a loop over one `sinkhorn_round` (the whole algorithm is
+    these three functions, one below the other).
     order 'liger' (the study's default backend, liger_kernel ops/mhc.py, which stores H_res
         (out, in)): the sums over inputs (per output) first, over outputs (per input) last;
     order 'plain' (its PyTorch backend's sinkhorn_log): over outputs first, inputs last.
     eps > 0 (liger_kernel's, with order 'liger'): a stable softmax first, then eps added to
     every entry and every denominator; eps = 0 (the PyTorch backend's): the first round in
     the log domain, so that no sum is ever 0 whatever the logits' range.
-    rounds: what runs the other iters - 1 rounds, (P, n, first, last, eps) -> P; default
-    `sinkhorn_rounds` (MHC passes its compiled region of it).
+    rounds: what runs rounds 2..iters, (P, n, first, last, eps) -> P; default
+    `sinkhorn_rounds` (MHC passes its compiled region, MHC.sinkhorn_rounds).
     Raises ValueError for iters not an int >= 1, an unknown order or eps < 0."""
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"Sinkhorn needs an int number of rounds >= 1, got {iters!r}")
     if order not in ('liger', 'plain') or not eps >= 0:
         raise ValueError(f"Sinkhorn order must be 'liger' or 'plain' and eps >= 0, got {order!r}, {eps!r}")
     first, last = (-2, -1) if order == 'liger' else (-1, -2)
-    if eps > 0:
+    if eps > 0:                                                # round 1
         P = torch.softmax(logits, dim=first) + eps
         P = P / (P.sum(last, keepdim=True) + eps)
     else:
         P = torch.softmax(torch.log_softmax(logits, dim=first), dim=last)
-    return (rounds or sinkhorn_rounds)(P, iters - 1, first, last, eps)
+    return (rounds or sinkhorn_rounds)(P, iters - 1, first, last, eps)  # rounds 2..iters
 
 
 def sinkhorn_rounds(P, n, first, last, eps):
@@ -603,9 +642,9 @@ def sinkhorn_rounds(P, n, first, last, eps):
     return P
 
 
-# torch.compile builds one round and calls it iters - 1 times; unrolled, inductor fuses all
-# rounds into one large kernel that takes longer to compile than a whole Pre-LN block. Eagerly
-# this is a plain call.
+# torch.compile builds one round and calls it n times; unrolled, inductor fuses all rounds
+# into one large kernel that takes longer to compile than a whole Pre-LN block. Eagerly this
+# is a plain call.
 @torch.compiler.nested_compile_region
 def sinkhorn_round(P, first, last, eps):
     """One Sinkhorn round on P (..., m, m): normalise over dim `first`, then over `last`."""
@@ -622,8 +661,12 @@ class MHC(MultiStream):
         H_pre  = sigmoid(alpha_pre * l_pre + b_pre)                  (m)
         H_post = 2 sigmoid(alpha_post * l_post + b_post)             (m)
         H_res  = Sinkhorn(alpha_res * mat(l_res) + b_res)            (m x m), cfg.mhc_sinkhorn_iters rounds
-        u = sum_i H_pre[i] H[i],  f = F(RMSNorm(u)),  H'[j] = sum_i H_res[i, j] H[i] + H_post[j] f
+        u = sum_i H_pre[i] H[i]                                      (`read_streams`)
+        f = F(RMSNorm(u))
+        H'[j] = sum_i H_res[i, j] H[i] + H_post[j] f                 (`write_streams`)
 
+    `coefficients` computes H_pre, H_res, H_post; read_streams and write_streams are
+    MultiStream's, which names them as HC does (A_m = H_pre, A_r = H_res, beta = H_post).
     H_res[i, j] is the weight of old stream i in new stream j, stored (in, out); mat(l_res)
     and b_res fill it row-major. Sinkhorn order cfg.mhc_sinkhorn: 'liger' (default, the
     study's backend) or 'plain' (its PyTorch backend), see `sinkhorn`; docs/fidelity.md has
@@ -640,6 +683,7 @@ class MHC(MultiStream):
     # GPT.compile_regions compiles Sinkhorn rounds 2..iters (many tiny ops eagerly); the projection,
     # gates and first normalisation stay eager: compiled, they would add kernels to compile.
     regions = {'sinkhorn_rounds': []}
+    sinkhorn_rounds = staticmethod(sinkhorn_rounds)  # the region: an attribute, so that it can be compiled
 
     def __init__(self, cfg):
         if cfg.mhc_init not in ('gap8', 'gap8_diag8', 'uniform'):
@@ -655,37 +699,34 @@ class MHC(MultiStream):
     def init_weights(self, model):
         super().init_weights(model)
         m = self.m
-        for k, r in self.routes():
-            for g in (r.alpha_pre, r.alpha_post, r.alpha_res):
+        for k, route in self.routes():
+            for g in (route.alpha_pre, route.alpha_post, route.alpha_res):
                 g.fill_(0.01)
-            r.bias.zero_()
+            route.bias.zero_()
             if self.cfg.mhc_init in ('gap8', 'gap8_diag8'):
-                r.phi.zero_()
-                b_pre, b_res = r.bias[:m], r.bias[2 * m:].view(m, m)
+                route.phi.zero_()
+                b_pre, b_res = route.bias[:m], route.bias[2 * m:].view(m, m)
                 b_pre.fill_(-8.0)
                 b_pre[k % m] = 8.0
                 b_res.fill_(-8.0).fill_diagonal_(0.0 if self.cfg.mhc_init == 'gap8' else 8.0)
             else:
-                nn.init.normal_(r.phi, std=0.02)
+                nn.init.normal_(route.phi, std=0.02)
 
     def no_weight_decay(self):
         return {f'layers.{b}.{s}_route.{n}' for b in range(len(self.layers)) for s in ('attn', 'mlp')
                 for n in ('bias', 'alpha_pre', 'alpha_post', 'alpha_res')}
 
-    def coefficients(self, H, r):
+    def coefficients(self, H, route):
         B, T, m, d = H.shape
-        x = F.rms_norm(H.reshape(B, T, m * d), (m * d,), eps=self.cfg.norm_eps)   # x' = RMS(vec H)
-        logits = x @ r.phi                                                        # (B, T, m^2 + 2m)
-        gate = torch.cat([r.alpha_pre.expand(m), r.alpha_post.expand(m), r.alpha_res.expand(m * m)])
-        pre, post, res = (logits * gate + r.bias).split([m, m, m * m], dim=-1)   # alpha x' phi + b
-        order = self.cfg.mhc_sinkhorn                                             # 'liger' with eps, or 'plain'
-        H_res = sinkhorn(res.view(B, T, m, m), self.cfg.mhc_sinkhorn_iters, order,
+        x_norm = F.rms_norm(H.reshape(B, T, m * d), (m * d,), eps=self.cfg.norm_eps)  # x' = RMS(vec H)
+        l_pre, l_post, l_res = (x_norm @ route.phi).split([m, m, m * m], dim=-1)      # x' phi
+        b_pre, b_post, b_res = route.bias.split([m, m, m * m])
+        H_pre = torch.sigmoid(route.alpha_pre * l_pre + b_pre)                        # (B, T, m)
+        H_post = 2 * torch.sigmoid(route.alpha_post * l_post + b_post)                # (B, T, m)
+        order = self.cfg.mhc_sinkhorn                                                 # 'liger' with eps, or 'plain'
+        H_res = sinkhorn((route.alpha_res * l_res + b_res).view(B, T, m, m), self.cfg.mhc_sinkhorn_iters, order,
                          LIGER_SINKHORN_EPS if order == 'liger' else 0.0, rounds=self.sinkhorn_rounds)
-        return torch.sigmoid(pre), H_res, 2 * torch.sigmoid(post)
-
-    def sinkhorn_rounds(self, P, n, first, last, eps):
-        """`sinkhorn_rounds` on P (B, T, m, m): the region that GPT.compile_regions compiles."""
-        return sinkhorn_rounds(P, n, first, last, eps)
+        return H_pre, H_res, H_post                                                   # A_m, A_r, beta
 
 
 # ---- single-stream schemes ---------------------------------------------------

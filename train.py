@@ -622,6 +622,8 @@ if warmup_iters is None:
     warmup_iters = int(warmup_frac * max_iters)
 print0(f"model: {model.config.residual}, L={model.config.n_layer}, d={model.config.n_embd}, "
        f"{n_params:,} parameters ({model.num_params(non_embedding=True):,} without the embedding)")
+for _line in raw_model.residual.notes():  # a setting that makes the scheme another (Block AttnRes in blocks of 1)
+    print0(f"note: {_line}")
 print0(f"tokens per iteration: {gradient_accumulation_steps} accum x {world_size} procs x {batch_size} seqs x "
        f"{block_size} tokens = {tokens_per_iter:,}; {max_iters:,} iterations = {max_iters * tokens_per_iter:,} tokens "
        f"({max_iters * tokens_per_iter / n_params:.3g} per parameter)")

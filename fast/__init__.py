@@ -31,7 +31,10 @@ trains with.
     paths = fast.setup(model, 'auto', device)   # -> the FastPaths in use (checked), [] when off
 """
 
+import ast
 import importlib.util
+import inspect
+import textwrap
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -140,11 +143,39 @@ def _run(model, idx):
     return [('logits', logits.detach())] + [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
 
 
+def plain_code(path):
+    """The plain code a fast path stands in for, as a student would edit it: its method and,
+    read from the source, every method of the scheme (`self.name`) and function of
+    residuals.py (`name`) it uses, in turn. -> e.g. ['AttnRes.read', 'AttnRes.mix', 'no_autocast']."""
+    found, todo = [], [f"self.{path.method}"]
+    while todo:
+        ref = todo.pop(0)
+        if ref.startswith('self.'):
+            owner = next((c for c in path.scheme.__mro__ if ref[5:] in vars(c)), None)
+            label, fn = (f"{owner.__name__}.{ref[5:]}", getattr(owner, ref[5:])) if owner else (None, None)
+        else:
+            label, fn = ref, getattr(residuals, ref)
+        if label is None or label in found or not callable(fn) or isinstance(fn, type):
+            continue
+        found.append(label)
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        except (OSError, TypeError, SyntaxError):  # no source to read (a lambda, a builtin)
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == 'self':
+                todo.append(f"self.{node.attr}")
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in vars(residuals):
+                todo.append(node.id)
+    return found
+
+
 def check(model, paths, device):
     """The start-up guard: a twin of `model` (`twin_config`, random weights; fp64 on the CPU,
     fp32 on CUDA) runs a training step plain and then with each fast path alone; logits and
     every gradient must agree to 1e-9 relative (fp64) or 2e-3 (fp32). Raises
-    FastPathMismatch naming the fast path and the plain method otherwise."""
+    FastPathMismatch naming the fast path and the plain code it replaces (`plain_code`)
+    otherwise."""
     device = torch.device(device)
     dtype, tol = (torch.float64, 1e-9) if device.type == 'cpu' else (torch.float32, 2e-3)
     twin = GPT(twin_config(model.config)).to(device=device, dtype=dtype)
@@ -157,9 +188,11 @@ def check(model, paths, device):
             got = _run(twin, idx)
         finally:
             disable(twin)
+        code = ', '.join(plain_code(p))
         if [n for n, _ in got] != [n for n, _ in plain]:
             raise FastPathMismatch(f"fast path {p.name} ({p.runs}) leaves other parameters without gradient than "
-                                   f"residuals.{p.scheme.__name__}.{p.method}: run with --fast=False")
+                                   f"residuals.{p.scheme.__name__}.{p.method} (residuals.py: {code}): "
+                                   f"run with --fast=False")
         # each tensor's error relative to its largest entry, floored at 1e-3 of the largest of all
         # (a gradient that is small by cancellation carries the rounding of its larger terms)
         floor = 1e-3 * max(t.abs().max().item() for _, t in plain)
@@ -168,8 +201,8 @@ def check(model, paths, device):
             if not err <= tol:
                 raise FastPathMismatch(
                     f"fast path {p.name} ({p.runs}) disagrees with residuals.{p.scheme.__name__}.{p.method} "
-                    f"on the start-up twin ({n}: relative error {err:.1e} > {tol:.0e}); if you edited that "
-                    f"method, run with --fast=False so that your code is what runs")
+                    f"on the start-up twin ({n}: relative error {err:.1e} > {tol:.0e}); if you edited any of "
+                    f"{code} in residuals.py, run with --fast=False so that your code is what runs")
 
 
 def setup(model, setting, device, guard=True):

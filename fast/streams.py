@@ -1,11 +1,12 @@
 """
 Fast forms of the HC / mHC routing (`residuals.MultiStream`): the coefficients, the read
-x = sum_s r[s] H[s] and the write H'[t] = sum_s M[s, t] H[s] + w[t] y, H (B, T, m, d).
+x = A_m^T H = sum_s A_m[s] H[s] and the write H' = A_r^T H + beta (x) y, H (B, T, m, d)
+(mHC's H_pre, H_res, H_post are A_m, A_r, beta).
 
 - liger_kernel's mHC kernels (liger_kernel.transformers.functional, the study's default mHC
   backend): `liger_coefficients` (mHC: fused x' phi + RMS, gates, Sinkhorn), `liger_read`
   and `liger_write` (HC and mHC: its pre and post_res ops; they take H_res stored (out, in),
-  our M transposed). CUDA only.
+  our A_r transposed). CUDA only.
 - torch forms with hand-written backwards: `torch_mhc_coefficients` (Sinkhorn rounds that
   keep their gradient in one layout instead of ~4 x iters small autograd nodes) and
   `torch_write` (the write as one batched matmul-add). Any device.
@@ -25,26 +26,27 @@ def liger_phi_columns(m, device):
     return torch.cat([torch.arange(2 * m, device=device), res])
 
 
-def liger_coefficients(self, H, r):
+def liger_coefficients(self, H, route):
     """MHC.coefficients on liger_mhc_coeffs: exact for mhc_sinkhorn='liger' (Liger's order
     and eps 1e-6), rms eps = cfg.norm_eps; the Sinkhorn is cfg.mhc_sinkhorn_iters rounds."""
     from liger_kernel.transformers.functional import liger_mhc_coeffs
     m = self.m
     cols = liger_phi_columns(m, H.device)
-    pre, post, res = liger_mhc_coeffs(H, r.phi[:, cols], r.bias[cols], r.alpha_pre, r.alpha_post, r.alpha_res,
-                                      allow_fp32=True, tmax=self.cfg.mhc_sinkhorn_iters, rms_eps=self.cfg.norm_eps,
-                                      pre_eps=0.0, sinkhorn_eps=LIGER_SINKHORN_EPS, post_mult=2.0)
-    return pre, res.transpose(-1, -2), post                  # H_res back to (in, out)
+    H_pre, H_post, H_res = liger_mhc_coeffs(H, route.phi[:, cols], route.bias[cols], route.alpha_pre,
+                                            route.alpha_post, route.alpha_res, allow_fp32=True,
+                                            tmax=self.cfg.mhc_sinkhorn_iters, rms_eps=self.cfg.norm_eps,
+                                            pre_eps=0.0, sinkhorn_eps=LIGER_SINKHORN_EPS, post_mult=2.0)
+    return H_pre, H_res.transpose(-1, -2), H_post             # H_res back to (in, out)
 
 
-def liger_read(self, H, r):
+def liger_read(self, H, A_m):
     from liger_kernel.transformers.functional import liger_mhc_pre
-    return liger_mhc_pre(H, r)
+    return liger_mhc_pre(H, A_m)
 
 
-def liger_write(self, H, M, w, y):
+def liger_write(self, H, A_r, beta, y):
     from liger_kernel.transformers.functional import liger_mhc_post_res
-    return liger_mhc_post_res(H, y, w, M.transpose(-1, -2))
+    return liger_mhc_post_res(H, y, beta, A_r.transpose(-1, -2))
 
 
 # ---- torch forms (any device) --------------------------------------------------
@@ -87,24 +89,23 @@ def torch_sinkhorn(logits, iters, order, eps):
     return P if iters == 1 else SinkhornRounds.apply(P, iters - 1, first, last, eps)
 
 
-def torch_mhc_coefficients(self, H, r):
+def torch_mhc_coefficients(self, H, route):
     """MHC.coefficients with `torch_sinkhorn`."""
     B, T, m, d = H.shape
-    x = torch.nn.functional.rms_norm(H.reshape(B, T, m * d), (m * d,), eps=self.cfg.norm_eps)
-    logits = x @ r.phi
-    gate = torch.cat([r.alpha_pre.expand(m), r.alpha_post.expand(m), r.alpha_res.expand(m * m)])
-    pre, post, res = (logits * gate + r.bias).split([m, m, m * m], dim=-1)
+    x_norm = torch.nn.functional.rms_norm(H.reshape(B, T, m * d), (m * d,), eps=self.cfg.norm_eps)
+    l_pre, l_post, l_res = (x_norm @ route.phi).split([m, m, m * m], dim=-1)
+    b_pre, b_post, b_res = route.bias.split([m, m, m * m])
     order = self.cfg.mhc_sinkhorn
-    H_res = torch_sinkhorn(res.view(B, T, m, m), self.cfg.mhc_sinkhorn_iters, order,
+    H_res = torch_sinkhorn((route.alpha_res * l_res + b_res).view(B, T, m, m), self.cfg.mhc_sinkhorn_iters, order,
                            LIGER_SINKHORN_EPS if order == 'liger' else 0.0)
-    return torch.sigmoid(pre), H_res, 2 * torch.sigmoid(post)
+    return torch.sigmoid(route.alpha_pre * l_pre + b_pre), H_res, 2 * torch.sigmoid(route.alpha_post * l_post + b_post)
 
 
-def torch_write(self, H, M, w, y):
+def torch_write(self, H, A_r, beta, y):
     """MultiStream.write_streams as one batched matmul-add over the B T tokens,
-    H' = M^T H + w y^T per token, with M^T made contiguous: the CPU's batched matmul then
-    takes its fast path (the plain einsum's layout makes it copy one token at a time)."""
+    H' = A_r^T H + beta y^T per token, with A_r^T made contiguous: the CPU's batched matmul
+    then takes its fast path (the plain einsum's layout makes it copy one token at a time)."""
     B, T, m, d = H.shape
-    out = torch.baddbmm((w.unsqueeze(-1) * y.unsqueeze(-2)).reshape(B * T, m, d),
-                        M.reshape(B * T, m, m).transpose(1, 2).contiguous(), H.reshape(B * T, m, d))
+    out = torch.baddbmm((beta.unsqueeze(-1) * y.unsqueeze(-2)).reshape(B * T, m, d),
+                        A_r.reshape(B * T, m, m).transpose(1, 2).contiguous(), H.reshape(B * T, m, d))
     return out.view(B, T, m, d)

@@ -176,7 +176,6 @@ def usefulness(model, windows, batch_size=4, threshold=USEFULNESS_THRESHOLD, pro
     Returns {'loss', 'linear_loss', 'loss_ratio', 'loss_increase', 'significant': lists of L,
     'score', 'n_significant', 'threshold', 'fit_r2': [L] (share of the variance of z_{l+1}
     the map explains), 'n_tokens'}. Raises ValueError for a scheme without a depth-state slot."""
-    import probe  # noqa: PLC0415
     model.eval()
     if not _supported(model):
         raise ValueError(f"usefulness: {model.config.residual!r} computes its depth state from several streams")
@@ -224,7 +223,6 @@ def token_collapse(model, windows, batch_size=4, progress=False):
     direction) sends all three to 1; 'max_rank' = min(T, D) is the ceiling of the stable rank
     and erank, sqrt(max_rank) that of L1/L2.
     Returns {'stable_rank', 'erank', 'l1_l2': lists of L+1, 'max_rank', 'n_windows'}."""
-    import probe  # noqa: PLC0415
     model.eval()
     sums, n, max_rank = None, 0, None
     for idx in batches(windows, batch_size, next(model.parameters()).device, 'token collapse', progress):
@@ -248,7 +246,6 @@ def prune_lm(model, windows, batch_size=4, progress=False):
     skip rule of causal_scores), for every l, on the same windows. 'se' is the standard
     error of the increase over windows (the paired per-window differences; windows as units).
     Returns {'loss', 'loss_skip', 'delta', 'se': lists of L, 'n_windows', 'n_tokens'}."""
-    import probe  # noqa: PLC0415
     model.eval()
     L = model.config.n_layer
     runner = PrefixRunner(model)

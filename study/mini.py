@@ -22,6 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
 from study import families  # noqa: E402
+from study.results import (_scheme_color, _with_loss, format_summary, plot_loss_vs_ratio, read_all,  # noqa: E402
+                           run_command, run_status, seed_runs)
 
 ROOT = families.ROOT
 RESULTS = os.path.join('docs', 'mini', 'results.json')  # committed with the figures beside it
@@ -46,11 +48,10 @@ PAPER = {
 
 def deepest_runs(root=ROOT, seeds=3):
     """(seed k, run) for the L = DEEPEST run of every mini scheme and seed that finished."""
-    from study import sweep
     out = []
     for run in families.runs('mini', shapes=[DEEPEST]):
-        for r in sweep.seed_runs(run, root, seeds):
-            if sweep.run_status(r, root) == 'finished':
+        for r in seed_runs(run, root, seeds):
+            if run_status(r, root) == 'finished':
                 out.append((r.info.get('seed', 0), r))
     return out
 
@@ -62,7 +63,6 @@ def probe_json(run, root=ROOT):
 def probe_missing(root=ROOT, seeds=3):
     """Runs probe.py on every deepest checkpoint whose probe.json lacks a metric (probe.py
     keeps what an earlier probe.json holds). Returns the (name, reason) of failures."""
-    from study import sweep
     failures = []
     for k, run in deepest_runs(root, seeds):
         have = _read(probe_json(run, root)) or {}
@@ -72,7 +72,7 @@ def probe_missing(root=ROOT, seeds=3):
         cmd = [sys.executable, 'probe.py', f'--ckpt={os.path.join(run.out_dir, "ckpt.pt")}',
                f'--metrics={",".join(todo)}', *PROBE_ARGS]
         print(f"probe: {' '.join(cmd[1:])}", flush=True)
-        if sweep.run_command(cmd, root) != 0:
+        if run_command(cmd, root) != 0:
             failures.append((run.name, 'probe.py failed'))
     return failures
 
@@ -129,8 +129,7 @@ def _mean(xs):
 def collect(root=ROOT, seeds=3):
     """{'runs': the sweep's rows (one per run and seed), 'probes': {scheme: {seed: summary}},
     'budget', 'machine'} from the out/ directories."""
-    from study import sweep
-    rows = sweep.read_all('mini', root, seeds)
+    rows = read_all('mini', root, seeds)
     probes = {}
     for k, run in deepest_runs(root, seeds):
         p = _read(probe_json(run, root))
@@ -265,7 +264,6 @@ def plot_probes(results, path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    from study.sweep import _scheme_color
     pr = results['probes']
     panels = [('R_causal', 'late pairs with C > 0.45', 'share of late pairs', PAPER['R_causal']),
               ('R_perm', 'late pairs with P > 0.15', 'share of late pairs', PAPER['R_perm']),
@@ -295,18 +293,17 @@ def plot_probes(results, path):
 
 def report(results, out_dir):
     """Prints the findings and probe tables and writes the figures into out_dir."""
-    from study import sweep
     os.makedirs(out_dir, exist_ok=True)
     rows = results['runs']
-    print(sweep.format_summary(rows))
+    print(format_summary(rows))
     print()
     print(format_findings(findings(results)))
     print()
     print(format_probes(results))
     written = [os.path.join(out_dir, 'loss_vs_ratio.png'), os.path.join(out_dir, 'probes.png')]
-    sweep.plot_loss_vs_ratio([(f"mini: fixed backbone ≈0.8M, byte-level text, "
-                               f"{results['tokens_per_backbone_param']:g} tokens per backbone parameter",
-                               sweep._with_loss(rows))], written[0])
+    plot_loss_vs_ratio([(f"mini: fixed backbone ≈0.8M, byte-level text, "
+                         f"{results['tokens_per_backbone_param']:g} tokens per backbone parameter",
+                         _with_loss(rows))], written[0])
     if results['probes']:
         plot_probes(results, written[1])
     for p in written:

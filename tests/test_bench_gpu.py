@@ -1,4 +1,4 @@
-"""The staged GPU check (bench.py --suite=gpu = tools/gpu_check.py) at tiny shapes on the CPU,
+"""The staged GPU check (tools/gpu_check.py) at tiny shapes on the CPU,
 as on a GPU it runs at 400M: every stage appends its line when it ends; a stage cut short by
 its time limit leaves the earlier lines whole and the later stages run; and bench.py's
 --suite=compile table and argument checks (a real cold compile takes minutes).
@@ -24,11 +24,12 @@ def stages(path):
 
 
 def test_gpu_check_runs_every_stage_at_tiny_shapes(data_dir, tmp_path):  # noqa: F811
-    """bench.py --suite=gpu --tiny=True: env, the headline train.py run, Pre-LN, the reads and one
-    other scheme, each a line of the JSONL (and a paragraph of the .md) with what it measured."""
+    """tools/gpu_check.py --tiny (fast paths on, as on a GPU): env, the headline train.py run,
+    Pre-LN, the reads and one other scheme, each a line of the JSONL (and a paragraph of the
+    .md) with what it measured."""
     out = tmp_path / 'gpu.jsonl'
-    rows = bench.main(['--suite=gpu', '--tiny=True', '--device=cpu', '--gpu_steps=3', '--gpu_schemes=hc',
-                       f'--gpu_out={out}', f'--gpu_data_dir={data_dir}'])
+    rows = gpu_check.main(['--tiny', '--device=cpu', '--fast=True', '--steps=3', '--schemes=hc', f'--out={out}',
+                           f'--data_dir={data_dir}'])
     got = stages(out)
     assert got == json.loads(json.dumps(rows))
     assert [r['stage'] for r in got] == ['env', 'headline', 'preln', 'reads', 'scheme hc']
@@ -71,13 +72,16 @@ def test_a_stage_cut_short_keeps_what_came_before(data_dir, tmp_path):  # noqa: 
                        for s in ('headline', 'preln', 'reads', 'scheme hc')]
 
 
-def test_stage_limits_are_checked():
+def test_stage_limits_are_checked(capsys):
     assert gpu_check.parse_limits('headline=200,preln=100') == {'headline': 200.0, 'preln': 100.0}
     with pytest.raises(ValueError, match='stages are'):
         gpu_check.parse_limits('compile=10')
-    with pytest.raises(SystemExit) as e:
-        bench.main(['--suite=gpu', '--gpu_limits=nope=1'])
-    assert 'stages are' in str(e.value)
+    with pytest.raises(SystemExit):
+        gpu_check.main(['--limits=nope=1'])
+    assert 'stages are' in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_check.main(['--steps=1'])
+    assert '--steps must be >= 2' in capsys.readouterr().err
 
 
 def test_compile_table_ratios_and_missing_cells():
@@ -91,7 +95,7 @@ def test_compile_table_ratios_and_missing_cells():
 
 @pytest.mark.parametrize('argv, msg', [
     (['--suite=nope'], "suite='nope'"),
-    (['--suite=gpu', '--gpu_steps=1'], 'gpu_steps=1'),
+    (['--suite=gpu'], 'the GPU check is tools/gpu_check.py'),  # one entry point per tool
     (['--suite=compile', '--compile_layers=4,x'], 'compile_layers'),
     (['--suite=compile', '--compile_schemes=preln,nope'], 'unknown scheme(s) nope'),
 ])

@@ -154,3 +154,15 @@ def test_inductor_compiles_the_growing_attnres_read():
     model.compile_regions()
     assert_same_step(step(model, idx), eager, rtol=1e-4, atol=1e-5)
     assert breaks() == 0
+
+
+def test_model_compile_is_the_regional_compile():
+    """model.compile() (nn.Module.compile, what a reader of nanoGPT calls) compiles the
+    regions, not the whole model: the branches and the scheme's regions are wrapped, the
+    model's own forward is not. Nothing is compiled until a forward runs, so this is cheap."""
+    model = make('attnres', L=2)
+    assert model.compile(backend='aot_eager') is model
+    assert model._compiled_call_impl is None  # not one graph of the whole model
+    assert all(blk.attn._compiled_call_impl is not None and blk.mlp._compiled_call_impl is not None
+               for blk in model.blocks)
+    assert 'mix' in vars(model.residual)  # AttnRes's region, compiled on its own

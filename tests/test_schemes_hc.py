@@ -189,6 +189,41 @@ def test_blockattnres_block_size_one_is_full_attnres():
     assert max_rel(other(idx)[0], full(idx)[0]) > 1e-3
 
 
+@pytest.mark.parametrize('n_layer,blocks,says', [
+    (4, 8, 'and 2L = 8 sublayers is Full AttnRes'),   # the CPU config's 4 layers with the default 8 blocks
+    (2, 8, 'and 2L = 4 sublayers is Full AttnRes'),   # fewer sublayers than blocks: S = 1 too
+    (4, 1, 'one block holds all 8 sublayers'),
+    (4, 4, None), (4, 2, None)])
+def test_blockattnres_says_when_it_is_another_scheme(n_layer, blocks, says):
+    """The start-up note (train.py prints `notes()`): Block AttnRes with one sublayer per block
+    is Full AttnRes (test_blockattnres_block_size_one_is_full_attnres), and one block holding
+    every sublayer reads only the embedding and the running sum."""
+    notes = make('blockattnres', n_layer=n_layer, attnres_blocks=blocks).residual.notes()
+    if says is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and says in notes[0] and f"attnres_blocks={blocks}" in notes[0], notes
+    assert make('attnres').residual.notes() == [] and make('hc').residual.notes() == []
+
+
+@pytest.mark.parametrize('residual', ['attnres', 'blockattnres'])
+@torch.no_grad()
+def test_attnres_norms_hold_the_eps_they_are_used_with(residual):
+    """Each pre-norm's eps, as printed, is the eps it runs with: mlp_norm attnres_eps,
+    attn_norm norm_eps in block 0 (it reads the embedding alone) and attnres_eps after."""
+    model = make(residual, attnres_eps=0.1)  # large: the eps moves the output
+    layers = model.residual.layers
+    assert [p.attn_norm.eps for p in layers] == [1e-6, 0.1, 0.1, 0.1]
+    assert [p.mlp_norm.eps for p in layers] == [0.1] * 4
+    assert 'RMSNorm(64, eps=0.1)' in repr(layers[1].mlp_norm)
+    perturb(model)
+    idx = tokens()
+    before = model(idx)[0]
+    for p in layers:
+        p.mlp_norm.eps = 1e-6
+    assert max_rel(model(idx)[0], before) > 1e-3  # the module's eps is the one used
+
+
 def test_blockattnres_block_size():
     assert make('blockattnres', n_layer=4, attnres_blocks=2).residual.group_size == 4
     assert make('blockattnres', n_layer=2).residual.group_size == 1  # 2L = 4 < 8 blocks: S = 1

@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from study import families, sweep  # noqa: E402
+from study import families, mini, sweep  # noqa: E402
 
 
 def _write_summary(root, out_dir, val_loss, n_params=None, finished=True):
@@ -53,7 +53,7 @@ def repo(tmp_path, monkeypatch):
 
 
 class Recorder:
-    """Stands in for sweep.run_command: records (cmd, cwd); 'finishes' runs unless told to fail."""
+    """Stands in for run_command (sweep's and mini's): records (cmd, cwd); 'finishes' runs unless told to fail."""
 
     def __init__(self, root, fail=()):
         self.root, self.fail, self.calls, self.probes = root, set(fail), [], []
@@ -112,6 +112,7 @@ def test_failures_do_not_stop_the_sweep(repo, monkeypatch, capsys):
 def test_probe_step_can_be_turned_off(repo, monkeypatch):
     rec = Recorder(repo)
     monkeypatch.setattr(sweep, 'run_command', rec)
+    monkeypatch.setattr(mini, 'run_command', rec)  # the mini study's probe step
     assert sweep.main(['family=mini', 'schemes=preln,hc', 'shapes=8', 'probe=False']) == 0
     assert len(rec.calls) == 2 and rec.probes == []
     assert sweep.main(['family=mini', 'schemes=preln,hc', 'shapes=8']) == 0  # all finished: probe only

@@ -165,6 +165,14 @@ def test_wandb_offline_logs_the_metrics_rows_from_rank_0_only(data_dir, tmp_path
     assert not (tmp_path / 'nowb' / 'wandb').exists()  # off by default
 
 
+def test_block_attnres_in_blocks_of_one_sublayer_says_it_is_full_attnres(data_dir, tmp_path):
+    """2 layers with the default attnres_blocks=8: one start-up line says the run is Full AttnRes."""
+    r = train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "out"}', '--residual=blockattnres',
+              '--max_iters=1', '--eval_interval=1')
+    said = [line for line in r.stdout.splitlines() if 'is Full AttnRes' in line]
+    assert len(said) == 1 and said[0].startswith('note: Block AttnRes with attnres_blocks=8'), r.stdout[-2000:]
+
+
 def test_gpu_config_on_a_cpu_says_so_up_front(tmp_path):
     r = train('config/attnres_L32.py', '--device=cpu', f'--data_dir={tmp_path / "none"}', check=False)
     note = [line for line in r.stdout.splitlines() if line.startswith('note:')]

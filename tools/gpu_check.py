@@ -3,8 +3,7 @@ The staged GPU check (docs/gpu.md): does `python train.py config/attnres_L32.py`
 machine, under its own torch, and what does it cost? At most 8 minutes on one H100/H200,
 compilation included.
 
-    python bench.py --suite=gpu                           # = python tools/gpu_check.py
-    python tools/gpu_check.py --out=out/gpu_check.jsonl   # results: out/gpu_check.jsonl and .md
+    python tools/gpu_check.py                             # results: out/gpu_check.jsonl and .md
     python tools/gpu_check.py --tiny --device=cpu         # tiny shapes on the CPU: its test
 
 Stages, in order of value. Each runs in its own process group with its own time limit (and
@@ -467,6 +466,14 @@ def parse_limits(text):
     return out
 
 
+def limits_arg(text):
+    """parse_limits for argparse, which prints the message of an ArgumentTypeError only."""
+    try:
+        return parse_limits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="The staged GPU check (docs/gpu.md).")
     p.add_argument('--out', default='out/gpu_check.jsonl', help='one JSON line per stage (and the .md beside it)')
@@ -476,7 +483,7 @@ def main(argv=None):
     p.add_argument('--compile', choices=('True', 'False'), default=None, help='default: True on CUDA, else False')
     p.add_argument('--fast', default='auto', help="train.py's fast: 'auto' (on for CUDA), True or False")
     p.add_argument('--budget', type=float, default=BUDGET_S, help='seconds for the whole check')
-    p.add_argument('--limits', type=parse_limits, default={}, help='stage time limits, e.g. headline=200,preln=100')
+    p.add_argument('--limits', type=limits_arg, default={}, help='stage time limits, e.g. headline=200,preln=100')
     p.add_argument('--schemes', default=','.join(OTHER_SCHEMES), help='the schemes of the last stage, in order')
     p.add_argument('--data_dir', default=None, help="train.py's --data_dir (default: data/fineweb_edu, the "
                                                     "embedded sample prepared on first use)")
