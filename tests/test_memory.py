@@ -1,4 +1,4 @@
-"""The training-memory plan of cost.py (train_memory, step_bytes, fit_bytes, auto_micro_batch,
+"""The training-memory plan of plan/memory.py (train_memory, step_bytes, fit_bytes, auto_micro_batch,
 oom_message) and train.py's auto_batch and out-of-memory line, on the CPU. The plan is checked
 against bytes measured on real training micro-steps (autograd's saved tensors, and every tensor
 alive through forward and backward), in fp32 and under bf16 autocast, for every scheme, with the
@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cost  # noqa: E402
+from plan import memory  # noqa: E402
 import fast  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
@@ -46,7 +46,7 @@ def measured(model, B, T, dtype):
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     idx = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
-    return cost.step_bytes(model, idx, AUTOCAST[dtype])
+    return memory.step_bytes(model, idx, AUTOCAST[dtype])
 
 
 def linear_weights(model):
@@ -65,7 +65,7 @@ def test_plan_matches_the_bytes_of_a_real_micro_step(residual, dtype, fast_on):
     hooks and a dispatch mode that follows every tensor alive; they must agree after the forward."""
     cfg = tiny(residual)
     model = built(cfg, fast_on)
-    mem = cost.train_memory(cfg, 5, 48, 'cpu', dtype, probe_tokens=8, model=model)
+    mem = memory.train_memory(cfg, 5, 48, 'cpu', dtype, probe_tokens=8, model=model)
     real = measured(model, 5, 48, dtype)
     assert real['live'] == pytest.approx(real['saved'], abs=64)  # the loss scalar apart
     saved = mem['weight_copies'] + mem['activations']
@@ -96,12 +96,12 @@ def test_autocast_weight_copies_count_once(residual):
     grow linearly with the batch."""
     cfg = tiny(residual)
     model = built(cfg, False)
-    small = cost.train_memory(cfg, 1, 16, 'cpu', 'bfloat16', probe_tokens=8, model=model)
-    large = cost.train_memory(cfg, 64, 64, 'cpu', 'bfloat16', probe_tokens=8, model=model)
+    small = memory.train_memory(cfg, 1, 16, 'cpu', 'bfloat16', probe_tokens=8, model=model)
+    large = memory.train_memory(cfg, 64, 64, 'cpu', 'bfloat16', probe_tokens=8, model=model)
     assert small['weight_copies'] == large['weight_copies'] == constant_bytes(model, 'bfloat16')
-    fp32 = cost.train_memory(cfg, 64, 64, 'cpu', 'float32', probe_tokens=8, model=model)
+    fp32 = memory.train_memory(cfg, 64, 64, 'cpu', 'float32', probe_tokens=8, model=model)
     assert fp32['weight_copies'] == constant_bytes(model, 'float32')
-    one, two = (cost.train_memory(cfg, B, 64, 'cpu', 'bfloat16', probe_tokens=8, model=model)['activations']
+    one, two = (memory.train_memory(cfg, B, 64, 'cpu', 'bfloat16', probe_tokens=8, model=model)['activations']
                 for B in (1, 2))
     assert large['activations'] - one == pytest.approx(63 * (two - one), rel=1e-6)
 
@@ -116,9 +116,9 @@ def test_moda_plain_attention_grows_as_the_square_of_the_length(L, H):
         model = built(tiny('moda', n_layer=L, n_head=H), fast_on)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        points = {(B, T): cost.step_bytes(model, torch.randint(0, 61, (B, T)))['saved']
-                  for B, T in cost.probe_shapes(64, 8)}
-        c = cost.fit_bytes(points)
+        points = {(B, T): memory.step_bytes(model, torch.randint(0, 61, (B, T)))['saved']
+                  for B, T in memory.probe_shapes(64, 8)}
+        c = memory.fit_bytes(points)
         assert c[5] == pytest.approx(0 if fast_on else 8 * H * (L - 1), abs=1e-6)  # B T²
         assert c[2] == pytest.approx(0 if fast_on else L - 1, abs=1e-6)            # T², the masks
 
@@ -127,10 +127,10 @@ def test_fit_bytes_recovers_each_kind_of_term():
     """A hand-made byte count with every term of the fit, and one without T² terms from two lengths."""
     def f(B, T):
         return 1000 + 7 * T + 3 * T * T + B * (11 + 13 * T + 5 * T * T)
-    shapes = cost.probe_shapes(64, 8)
-    assert cost.fit_bytes({s: f(*s) for s in shapes}) == pytest.approx((1000, 7, 3, 11, 13, 5), abs=1e-6)
+    shapes = memory.probe_shapes(64, 8)
+    assert memory.fit_bytes({s: f(*s) for s in shapes}) == pytest.approx((1000, 7, 3, 11, 13, 5), abs=1e-6)
     two = {(B, T): 1000 + B * 13 * T for B in (2, 3) for T in (8, 16)}
-    assert cost.fit_bytes(two) == pytest.approx((1000, 0, 0, 0, 13, 0), abs=1e-6)
+    assert memory.fit_bytes(two) == pytest.approx((1000, 0, 0, 0, 13, 0), abs=1e-6)
 
 
 def test_the_peak_is_the_most_over_the_ops_at_the_planned_shape(monkeypatch):
@@ -142,9 +142,9 @@ def test_the_peak_is_the_most_over_the_ops_at_the_planned_shape(monkeypatch):
         B, T = idx.shape
         ops = [50_000, 100 * B * T]
         return dict(saved=0, live=0, peak=max(ops), timeline=ops)
-    monkeypatch.setattr(cost, 'step_bytes', fake)
+    monkeypatch.setattr(memory, 'step_bytes', fake)
     cfg = tiny('preln')
-    mem = cost.train_memory(cfg, 64, 64, probe_tokens=8, model=GPT(cfg))
+    mem = memory.train_memory(cfg, 64, 64, probe_tokens=8, model=GPT(cfg))
     assert mem['backward'] == 100 * 64 * 64 and mem['predict'](1) - mem['total'] + mem['backward'] == 50_000
     assert mem['per_sequence'] == 100 * 64
 
@@ -158,13 +158,13 @@ def test_compiled_plan_matches_inductor(residual, dtype, fast_on):
     the compiled model keeps less than the eager one (it recomputes cheap ops)."""
     cfg = tiny(residual)
     model = built(cfg, fast_on)
-    eager = cost.train_memory(cfg, 5, 48, 'cpu', dtype, probe_tokens=8, model=model)
-    comp = cost.train_memory(cfg, 5, 48, 'cpu', dtype, probe_tokens=8, model=model, compiled=True)
+    eager = memory.train_memory(cfg, 5, 48, 'cpu', dtype, probe_tokens=8, model=model)
+    comp = memory.train_memory(cfg, 5, 48, 'cpu', dtype, probe_tokens=8, model=model, compiled=True)
     model.compile_regions()
     idx = torch.randint(0, cfg.vocab_size, (5, 48))
     with AUTOCAST[dtype] or torch.autocast('cpu', enabled=False):
         model(idx, idx)[1].backward()
-    real = cost.saved_activation_bytes(model, idx, idx, AUTOCAST[dtype])
+    real = memory.saved_activation_bytes(model, idx, idx, AUTOCAST[dtype])
     torch._dynamo.reset()
     assert comp['weight_copies'] + comp['activations'] == pytest.approx(real, rel=0.10)
     assert comp['activations'] < eager['activations']
@@ -178,7 +178,7 @@ def test_weights_grads_and_adamw_state_are_16_bytes_per_parameter():
     idx = torch.randint(0, cfg.vocab_size, (2, 16))
     model(idx, idx)[1].backward()
     opt.step()
-    mem = cost.train_memory(cfg, 2, 16, model=model)
+    mem = memory.train_memory(cfg, 2, 16, model=model)
     weights = sum(p.nbytes for p in model.parameters())
     grads = sum(p.grad.nbytes for p in model.parameters())
     state = sum(t.nbytes for s in opt.state.values() for k, t in s.items() if k in ('exp_avg', 'exp_avg_sq'))
@@ -191,19 +191,19 @@ def test_auto_micro_batch_takes_the_largest_divisor_that_fits():
     # 512 sequences per step, 10 GiB fixed + 3 GiB per sequence, 40 GiB: 10 fits (40), but
     # the micro-batch must divide 512, so 8 (34 GiB) with 64 accumulation steps
     gib = 2**30
-    assert cost.auto_micro_batch(512, lambda b: (10 + 3 * b) * gib, 40 * gib) == (8, 64)
-    assert cost.auto_micro_batch(512, lambda b: (10 + 3 * b) * gib, 80 * gib) == (16, 32)
-    assert cost.auto_micro_batch(6, lambda b: b, 100) == (6, 1)
+    assert memory.auto_micro_batch(512, lambda b: (10 + 3 * b) * gib, 40 * gib) == (8, 64)
+    assert memory.auto_micro_batch(512, lambda b: (10 + 3 * b) * gib, 80 * gib) == (16, 32)
+    assert memory.auto_micro_batch(6, lambda b: b, 100) == (6, 1)
     with pytest.raises(ValueError, match='even a micro-batch of 1 sequence'):
-        cost.auto_micro_batch(512, lambda b: (10 + 3 * b) * gib, 12 * gib)
+        memory.auto_micro_batch(512, lambda b: (10 + 3 * b) * gib, 12 * gib)
 
 
 def test_oom_message_names_config_micro_batch_and_fix():
-    msg = cost.oom_message(tiny('attnres', n_layer=32), 16, 2048, 32, 'compiling', 'config/attnres_L32.py')
+    msg = memory.oom_message(tiny('attnres', n_layer=32), 16, 2048, 32, 'compiling', 'config/attnres_L32.py')
     assert msg.startswith('out of memory while compiling: config/attnres_L32.py (attnres L=32 d=32)')
     assert 'micro-batch 16 x 2048' in msg and '--auto_batch=True' in msg
     assert '--batch_size=8 --gradient_accumulation_steps=64' in msg and '\n' not in msg
-    assert '--fsdp=True' in cost.oom_message(tiny('preln'), 1, 2048, 512)  # one sequence: another fix
+    assert '--fsdp=True' in memory.oom_message(tiny('preln'), 1, 2048, 512)  # one sequence: another fix
 
 
 def run_train(args, patch=''):
@@ -219,7 +219,7 @@ TINY = ['--device=cpu', '--compile=False', '--n_layer=2', '--n_embd=32', '--n_he
 RAISE = "(_ for _ in ()).throw(torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB'))"
 OOM_POINTS = {  # where: (patch, extra arguments, what the line says about the moment)
     'building': (f"import torch, model; model.GPT.to = lambda self, *a, **k: {RAISE}", [], None),
-    'planning': (f"import torch, cost; cost.step_bytes = lambda *a, **k: {RAISE}",
+    'planning': (f"import torch, plan.memory; plan.memory.step_bytes = lambda *a, **k: {RAISE}",
                  ['--auto_batch=True', '--memory_gib=1.0'], None),
     'compile_regions': (f"import torch, model; model.GPT.compile_regions = lambda self, *a, **k: {RAISE}",
                         ['--compile=True'], None),
@@ -243,7 +243,7 @@ def test_out_of_memory_at_any_point_is_one_line(point, data_dir, tmp_path):  # n
     r = run_train([str(cfg_file)] + TINY + [f'--data_dir={data_dir}', f'--out_dir={tmp_path / "o"}'] + extra, patch)
     assert r.returncode == 1
     shape = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=257)
-    assert r.stderr.strip().splitlines() == ["error: " + cost.oom_message(shape, 4, 32, 2, where, str(cfg_file))], \
+    assert r.stderr.strip().splitlines() == ["error: " + memory.oom_message(shape, 4, 32, 2, where, str(cfg_file))], \
         r.stderr[-3000:]
 
 
@@ -252,7 +252,7 @@ def test_auto_batch_keeps_the_global_batch(data_dir, tmp_path):  # noqa: F811
     micro-batch 4 x 4 accumulation steps (from the same prediction)."""
     cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=257)
     torch.manual_seed(1337)
-    mem = cost.train_memory(cfg, 16, 32, model=GPT(cfg))
+    mem = memory.train_memory(cfg, 16, 32, model=GPT(cfg))
     budget_gib = (mem['total'] - 16 * mem['per_sequence'] + 5.2 * mem['per_sequence']) / 0.9 / 2**30
     r = run_train(TINY + [f'--data_dir={data_dir}', f'--out_dir={tmp_path / "o"}', '--batch_size=16',
                           '--gradient_accumulation_steps=1', '--auto_batch=True', f'--memory_gib={budget_gib!r}'])
@@ -269,8 +269,8 @@ def test_cost_budget_plans_like_auto_batch(tmp_path):
     cfg = tmp_path / 'tiny.py'
     cfg.write_text("n_layer = 2\nn_embd = 32\nn_head = 2\nblock_size = 64\nvocab_size = 61\n"
                    "residual = 'attnres'\nbatch_size = 4\ngradient_accumulation_steps = 1\n")
-    mem = cost.memory_main(str(cfg), compiled=False)
+    mem = memory.memory_main(str(cfg), compiled=False)
     budget_gib = (mem['total'] + 0.05 * mem['per_sequence']) / 2**30
-    assert cost.memory_main(str(cfg), budget_gib=budget_gib, compiled=False)['auto'] == (2, 2)
+    assert memory.memory_main(str(cfg), budget_gib=budget_gib, compiled=False)['auto'] == (2, 2)
     with pytest.raises(ValueError, match='budget_gib'):
-        cost.memory_main(str(cfg), budget_gib=0, compiled=False)
+        memory.memory_main(str(cfg), budget_gib=0, compiled=False)
