@@ -9,6 +9,7 @@ prefill latency / peak memory / device-hours per 1B tokens.
     python cost.py --family=onepointsix --seq_len=2048
     python cost.py --measure --device=cuda --batch=8   # + measured prefill (bf16 on GPU)
     python cost.py --measure --device=cpu --shapes=2x64 --seq_len=64 --batch=1 --iters=2
+    python cost.py --memory=config/attnres_L32.py       # a config's training-memory plan (plan/memory.py)
 
 It prints a table (scheme, L, d, d/L, params, prefill TFLOPs/sequence, ΔF/F, KV cache
 and, with --measure, latency, tokens/s, peak memory, device-hours per 1B prefill tokens)

@@ -12,11 +12,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cost import param_count
+import fast as fastpath
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
-# training memory: what a micro-batch needs, and the micro-batch that fits (docs/gpu.md)
+# what a training micro-step keeps: instruments
+
 
 def saved_activation_bytes(model, idx, targets, ctx=None):
     """Bytes autograd keeps for backward after one forward pass of `model(idx, targets)`:
@@ -134,6 +135,10 @@ def step_bytes(model, idx, ctx=None):
     return dict(saved=sum(seen.values()), live=live, peak=tracker.peak, timeline=tracker.timeline)
 
 
+# -----------------------------------------------------------------------------
+# from the probes to the run's shape
+
+
 def fit_bytes(points):
     """Fits bytes(B, T) = c0 + c1 T + c2 T² + B (c3 + c4 T + c5 T²) to measurements
     {(B, T): bytes} at two batch sizes and three lengths (least squares; exact when the bytes
@@ -166,7 +171,6 @@ def fit_value(c, B, T):
 
 def fast_paths_of(model):
     """The fast paths (fast.FAST_PATHS) enabled on `model`'s scheme."""
-    import fast as fastpath
     on = vars(model.residual)
     return [p for p in fastpath.FAST_PATHS if getattr(on.get(p.method), '__func__', None) is p.impl]
 
@@ -182,7 +186,6 @@ def compiled_saved_bytes(cfg, device, ctx, paths, shapes):
     generating code, every size dynamic (one trace serves all shapes). Builds its own model on
     `device`, then torch._dynamo.reset(): the process's compiled code is cleared, so call it
     before compiling the model that trains. Returns {(B, T): bytes}."""
-    import fast as fastpath
     with torch.device(device):
         probe = GPT(cfg)
     fastpath.enable(probe, paths)
@@ -246,7 +249,6 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
     setting (fast.select's choice for the device, unchecked); None = off.
     tests/test_memory.py checks the prediction against measured bytes, every scheme, fp32 and
     bf16 autocast, fast off and on, within 10%."""
-    import fast as fastpath
     if model is None:
         dev = torch.device(device)
         with torch.device(dev):
@@ -301,6 +303,9 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
     return out
 
 
+# -----------------------------------------------------------------------------
+# the plan against the device's memory: the micro-batch that fits, and the lines train.py prints
+
 AUTO_BATCH_FILL = 0.9  # auto_batch plans for this share of the device's memory (allocator slack, CUDA context)
 
 
@@ -338,6 +343,10 @@ def format_memory(mem, device_bytes=None):
     return line + (f" (device: {g(device_bytes)} GiB)" if device_bytes else '')
 
 
+# -----------------------------------------------------------------------------
+# python cost.py --memory=CONFIG
+
+
 def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=None, fast=None):
     """cost.py --memory=CONFIG: prints the predicted peak of a train.py config file (its
     model, batch_size, gradient_accumulation_steps and block_size; train.py's defaults for
@@ -367,7 +376,6 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=N
         cfg = GPTConfig(**kw)
     except TypeError as e:  # e.g. n_layer = "a": GPTConfig's checks compare numbers
         raise ValueError(f"config file {path}: a model setting has the wrong type ({e})") from None
-    import fast as fastpath
     setting = ns['fast'] if fast is None else fast
     try:
         on = fastpath.resolve(setting, device)
@@ -375,11 +383,11 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=N
         raise ValueError(f"--fast: {e}") from None
     B, T = ns['batch_size'], ns['block_size']
     compiled = (ns['compile'] is not False) if compiled is None else compiled
-    print(f"{path}: {cfg.residual} L={cfg.n_layer} d={cfg.n_embd}, micro-batch {B} x {T} tokens, "
-          f"{param_count(cfg):,} parameters; probed on {device} ({dtype}, fast paths {'on' if on else 'off'}, "
-          f"{'compiled regions' if compiled else 'eager'})")
     with torch.device(device):
         model = GPT(cfg)
+    print(f"{path}: {cfg.residual} L={cfg.n_layer} d={cfg.n_embd}, micro-batch {B} x {T} tokens, "
+          f"{model.num_params():,} parameters; probed on {device} ({dtype}, fast paths {'on' if on else 'off'}, "
+          f"{'compiled regions' if compiled else 'eager'})")
     try:
         paths = fastpath.setup(model, on, device)
     except fastpath.FastPathMismatch as e:
