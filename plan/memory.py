@@ -307,6 +307,114 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
 # the plan against the device's memory: the micro-batch that fits, and the lines train.py prints
 
 AUTO_BATCH_FILL = 0.9  # auto_batch plans for this share of the device's memory (allocator slack, CUDA context)
+# a run stops before its first step when its plan passes this share of the memory: all of a GPU's (the plan
+# is within 10% there, and a CUDA out-of-memory error still ends in one line), 90% of what a CPU has free (the
+# kernel's OOM killer ends a process without a word, and the probes do not see malloc's overhead or an
+# op's internal temporaries; measured, the plan is within 2% of the peak RSS of an eager CPU step)
+RUN_FILL = {'cuda': 1.0, 'cpu': AUTO_BATCH_FILL}
+HOST_LIMIT = 1 << 60  # a cgroup or rlimit at or above this (2^63 - 4096 in cgroup v1) means no limit
+
+
+def _read(path):
+    """The stripped text of a small file, or None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_free(root='/sys/fs/cgroup', cgroups='/proc/self/cgroup'):
+    """(bytes, path) the memory cgroups of this process still allow: the least over the process's
+    cgroup and its parents of limit - (usage - inactive file pages, which the kernel reclaims
+    first), cgroup v2 (memory.max, memory.current) or v1 (memory.limit_in_bytes,
+    memory.usage_in_bytes), found from `cgroups` (the process's cgroup paths) under `root`;
+    (None, None) without a limit."""
+    best = (None, None)
+    for line in (_read(cgroups) or '').splitlines():
+        _, controllers, path = line.split(':', 2)
+        if controllers == '':  # v2: one unified hierarchy
+            base, files, inactive = root, ('memory.max', 'memory.current'), 'inactive_file'
+        elif 'memory' in controllers.split(','):
+            base, files, inactive = os.path.join(root, 'memory'), ('memory.limit_in_bytes',
+                                                                   'memory.usage_in_bytes'), 'total_inactive_file'
+        else:
+            continue
+        parts = [q for q in path.split('/') if q]
+        for k in range(len(parts), -1, -1):  # the process's own cgroup first, then its parents
+            d = os.path.join(base, *parts[:k])
+            limit, used = (_read(os.path.join(d, f)) for f in files)
+            if not (limit and used and limit.isdigit() and used.isdigit()) or int(limit) >= HOST_LIMIT:
+                continue  # no such cgroup here (a namespace shows its root only), or 'max'
+            stat = dict(ln.split() for ln in (_read(os.path.join(d, 'memory.stat')) or '').splitlines()
+                        if len(ln.split()) == 2)
+            free = int(limit) - max(0, int(used) - int(stat.get(inactive, 0)))
+            if best[0] is None or free < best[0]:
+                best = (max(0, free), os.path.join(d, files[0]))
+    return best
+
+
+def cpu_free_bytes():
+    """(bytes, what limits them) this process may still allocate on the CPU, now: the least of
+      - MemAvailable of /proc/meminfo (what the kernel can give without swapping),
+      - the memory cgroup's limit less its working set (`_cgroup_free`: containers, SLURM),
+      - the address-space limit (RLIMIT_AS: ulimit -v, prlimit --as) less the process's size
+        (VmSize of /proc/self/status): an allocation past it fails.
+    (None, None) where none of them can be read (not Linux)."""
+    import resource
+    found = []
+    meminfo = dict(ln.split(':', 1) for ln in (_read('/proc/meminfo') or '').splitlines() if ':' in ln)
+    if 'MemAvailable' in meminfo:
+        found.append((int(meminfo['MemAvailable'].split()[0]) * 1024, 'MemAvailable of /proc/meminfo'))
+    cgroup, where = _cgroup_free()
+    if cgroup is not None:
+        found.append((cgroup, f"the cgroup limit {where} less its usage"))
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    status = dict(ln.split(':', 1) for ln in (_read('/proc/self/status') or '').splitlines() if ':' in ln)
+    if soft != resource.RLIM_INFINITY and soft < HOST_LIMIT and 'VmSize' in status:
+        size = int(status['VmSize'].split()[0]) * 1024
+        found.append((max(0, soft - size), "the address-space limit RLIMIT_AS less this process's size"))
+    return min(found) if found else (None, None)
+
+
+def device_memory(device, model=None):
+    """(bytes, what they are) the run's plan is held against, comparable to train_memory's total:
+      cuda  the device's total memory (the weights already there are part of the plan);
+      cpu   `cpu_free_bytes` shared by this machine's processes (torchrun's LOCAL_WORLD_SIZE),
+            plus the bytes `model`'s weights and buffers already hold (the plan counts them, the
+            free memory no longer does).
+    (None, None) for another device (mps), or a CPU whose free memory cannot be read."""
+    dev = torch.device(device)
+    if dev.type == 'cuda':
+        return torch.cuda.get_device_properties(dev).total_memory, f"{device}'s total memory"
+    if dev.type != 'cpu':
+        return None, None
+    free, what = cpu_free_bytes()
+    if free is None:
+        return None, None
+    procs = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+    held = sum(t.nbytes for t in list(model.parameters()) + list(model.buffers())) if model is not None else 0
+    return free // procs + held, what + (f", shared by {procs} processes" if procs > 1 else '')
+
+
+def fit_message(mem, batch, seq_len, accum, device_bytes, what, fill, processes=1):
+    """None when the plan `mem` (train_memory's, at micro-batch `batch` x `seq_len`) fits `fill`
+    of `device_bytes`; else the one line train.py stops with: the planned and available bytes, what
+    the available bytes are (`what`), and the fix: --auto_batch=True, or the --batch_size and
+    --gradient_accumulation_steps it would pick (accum: this process's steps; the command line's
+    are `processes` times as many)."""
+    if mem['total'] <= fill * device_bytes:
+        return None
+    g = lambda b: f"{b / 2**30:.1f} GiB ({b:,.0f} bytes)"  # noqa: E731
+    try:
+        b, steps = auto_micro_batch(batch * accum, mem['predict'], fill * device_bytes)
+        fix = (f"rerun with --auto_batch=True (the largest micro-batch that fits, same global batch) or "
+               f"--batch_size={b} --gradient_accumulation_steps={steps * processes}")
+    except ValueError:
+        fix = "even a micro-batch of 1 sequence does not fit: use a shorter --block_size or a smaller model"
+    share = f"{fill:.0%} of " if fill < 1 else ''
+    return (f"the run does not fit in memory: its plan needs {g(mem['total'])} at micro-batch {batch} x {seq_len} "
+            f"tokens, more than {share}the {g(device_bytes)} available ({what}); {fix}")
 
 
 def auto_micro_batch(sequences, predict, budget):
@@ -333,14 +441,15 @@ def oom_message(cfg, batch, seq_len, accum, where=None, config_file=None):
             f"(gradient_accumulation_steps={accum}); {fix}")
 
 
-def format_memory(mem, device_bytes=None):
-    """One line: the predicted peak and its parts in GiB, and the device's memory if given."""
+def format_memory(mem, device_bytes=None, what='device'):
+    """One line: the predicted peak and its parts in GiB, and the device's memory if given (`what`
+    it is: device_memory's phrase)."""
     g = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
     line = (f"predicted peak training memory {g(mem['total'])} GiB = weights {g(mem['params'])} + grads "
             f"{g(mem['grads'])} + AdamW {g(mem['adamw'])} + activations {g(mem['activations'])}"
             + (f" + autocast weight copies {g(mem['weight_copies'])}" if mem.get('weight_copies') else '')
             + f" + backward {g(mem['backward'])}")
-    return line + (f" (device: {g(device_bytes)} GiB)" if device_bytes else '')
+    return line + (f" ({what}: {g(device_bytes)} GiB)" if device_bytes else '')
 
 
 # -----------------------------------------------------------------------------
