@@ -383,7 +383,7 @@ def oom_hook(kind, value, tb, default=sys.excepthook):
     shape = SimpleNamespace(residual=residual, n_layer=n_layer, n_embd=n_embd)  # the run's (a resume: the checkpoint's)
     config_file = next((a for a in sys.argv[1:] if not a.startswith('--')), None)
     msg = memory_plan.oom_message(shape, batch_size, block_size, gradient_accumulation_steps * world_size,
-                           'compiling' if compiling else None, config_file)
+                                  'compiling' if compiling else None, config_file)
     print(f"error: {msg}", file=sys.stderr, flush=True)
 
 

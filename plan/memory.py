@@ -332,6 +332,8 @@ def _cgroup_free(root='/sys/fs/cgroup', cgroups='/proc/self/cgroup'):
     (None, None) without a limit."""
     best = (None, None)
     for line in (_read(cgroups) or '').splitlines():
+        if line.count(':') < 2:
+            continue
         _, controllers, path = line.split(':', 2)
         if controllers == '':  # v2: one unified hierarchy
             base, files, inactive = root, ('memory.max', 'memory.current'), 'inactive_file'
@@ -401,13 +403,13 @@ def fit_message(mem, batch, seq_len, accum, device_bytes, what, fill, processes=
     """None when the plan `mem` (train_memory's, at micro-batch `batch` x `seq_len`) fits `fill`
     of `device_bytes`; else the one line train.py stops with: the planned and available bytes, what
     the available bytes are (`what`), and the fix: --auto_batch=True, or the --batch_size and
-    --gradient_accumulation_steps it would pick (accum: this process's steps; the command line's
-    are `processes` times as many)."""
+    --gradient_accumulation_steps it would pick (AUTO_BATCH_FILL of device_bytes; accum: this
+    process's steps, the command line's are `processes` times as many)."""
     if mem['total'] <= fill * device_bytes:
         return None
     g = lambda b: f"{b / 2**30:.1f} GiB ({b:,.0f} bytes)"  # noqa: E731
     try:
-        b, steps = auto_micro_batch(batch * accum, mem['predict'], fill * device_bytes)
+        b, steps = auto_micro_batch(batch * accum, mem['predict'], AUTO_BATCH_FILL * device_bytes)
         fix = (f"rerun with --auto_batch=True (the largest micro-batch that fits, same global batch) or "
                f"--batch_size={b} --gradient_accumulation_steps={steps * processes}")
     except ValueError:
