@@ -2,8 +2,11 @@
 oom_message) and train.py's auto_batch and out-of-memory line, on the CPU. The plan is checked
 against bytes measured on real training micro-steps (autograd's saved tensors, and every tensor
 alive through forward and backward), in fp32 and under bf16 autocast, for every scheme, with the
-fast paths off and on; and against hand counts where they exist.
-Run: python -m pytest tests/test_memory.py -q"""
+fast paths off and on; and against hand counts where they exist. Its parts against measured
+parts: the peak resident memory of real AdamW steps and of a real compiled step. And the plan
+against the device's memory: the CPU's free memory, and the headline on a CPU under an
+address-space limit, stopped in one line before its first step.
+Run: python -m pytest tests/test_memory.py -q  (-m slow adds the inductor-compiled step)"""
 
 import json
 import os
