@@ -492,6 +492,7 @@ def test_cpu_memory_adds_the_weights_held_and_shares_among_local_processes(monke
     assert memory.device_memory('cpu', model) == (2000 + held, 'MemAvailable, shared by 3 processes')
 
 
+LINUX = pytest.mark.skipif(not sys.platform.startswith('linux'), reason='RLIMIT_AS and /proc: Linux')
 HEADLINE = ['config/attnres_L32.py', '--device=cpu', '--n_layer=2', '--n_embd=64', '--n_head=2',
             '--vocab_size=50280']  # the headline at a tiny width, the GPT-2 vocabulary of the shipped data
 AS_LIMIT = 4 * 10**9  # bytes of address space: a few GB where the headline's micro-batch plans 20 GB
@@ -521,6 +522,7 @@ def train_limited(args, limit=AS_LIMIT):
                           timeout=600, preexec_fn=cap)
 
 
+@LINUX
 def test_headline_on_a_cpu_stops_in_one_line_before_its_first_step(headline_data, tmp_path):
     """The headline config on a CPU at its micro-batch 16 x 2048, 4 GB of address space: one line
     naming the planned and available bytes and the fix, before any evaluation or step; the
@@ -536,6 +538,7 @@ def test_headline_on_a_cpu_stops_in_one_line_before_its_first_step(headline_data
     assert not (tmp_path / 'o' / 'ckpt.pt').exists()
 
 
+@LINUX
 def test_auto_batch_on_a_cpu_fits_the_free_memory(headline_data, tmp_path):
     """--auto_batch=True on a CPU, no --memory_gib: the headline at 16 x 256 tokens under 3 GB of
     address space picks a smaller micro-batch from the memory the CPU has, keeps the global batch,
