@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 import cost
 import fast as fastpath
-from cost import saved_activation_bytes
+from plan.memory import saved_activation_bytes
 from configurator import ConfigError, comments_from_source, configure
 from model import GPT, GPTConfig, estimate_mfu
 from residuals import RESIDUALS

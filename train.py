@@ -65,8 +65,8 @@ dataset = 'fineweb_edu'  # reads data/<dataset>/train.bin, val.bin, meta.json
 data_dir = None  # a directory with train.bin/val.bin/meta.json to use instead of data/<dataset>
 gradient_accumulation_steps = 8  # micro-steps per optimizer step, over all processes
 batch_size = 8  # micro-batch size (sequences) per process
-auto_batch = False  # pick the largest micro-batch that fits (cost.train_memory) and raise gradient_accumulation_steps to keep the global batch
-memory_gib = None  # the memory auto_batch fills (90% of it); None = the CUDA device's total memory
+auto_batch = False  # pick the largest micro-batch that fits (plan.memory.train_memory) and raise gradient_accumulation_steps to keep the global batch
+memory_gib = None  # the memory the plan is held against and auto_batch fills (90% of it); None = a GPU's total memory, the CPU's free RAM
 block_size = 1024  # sequence length T
 # model (paper Sec. 2.2, Table 1)
 residual = 'preln'  # residual scheme, one of residuals.RESIDUALS
@@ -378,12 +378,12 @@ def oom_hook(kind, value, tb, default=sys.excepthook):
     oom, compiling = out_of_memory(value)
     if oom is None:
         return default(kind, value, tb)
-    import cost
+    from plan import memory as memory_plan
     from types import SimpleNamespace
     shape = SimpleNamespace(residual=residual, n_layer=n_layer, n_embd=n_embd)  # the run's (a resume: the checkpoint's)
     config_file = next((a for a in sys.argv[1:] if not a.startswith('--')), None)
-    msg = cost.oom_message(shape, batch_size, block_size, gradient_accumulation_steps * world_size,
-                           'compiling' if compiling else None, config_file)
+    msg = memory_plan.oom_message(shape, batch_size, block_size, gradient_accumulation_steps * world_size,
+                                  'compiling' if compiling else None, config_file)
     print(f"error: {msg}", file=sys.stderr, flush=True)
 
 
@@ -593,24 +593,30 @@ print0(fastpath.describe(fast_paths))
 
 if auto_batch and fsdp:
     fail("auto_batch=True plans an unsharded model: drop --fsdp=True, or set --batch_size yourself")
-if auto_batch or (device_type == 'cuda' and not fsdp):  # the predicted peak memory, and the micro-batch that fits
-    import cost
-    device_bytes = memory_gib * 2**30 if memory_gib else \
-        torch.cuda.get_device_properties(device).total_memory if device_type == 'cuda' else None
+if not fsdp and not eval_only:  # the predicted peak memory held against the device's, and the micro-batch that fits
+    from plan import memory as memory_plan
+    device_bytes, _what = (memory_gib * 2**30, f"--memory_gib={memory_gib:g}") if memory_gib else \
+        memory_plan.device_memory(device, raw_model)
     if auto_batch and device_bytes is None:
-        fail("auto_batch=True needs the device's memory: give --memory_gib=... off CUDA")
-    _t = time.time()  # the model as it will run: its fast paths, and (compile) inductor's partition of the regions
-    mem = cost.train_memory(raw_model.config, batch_size, block_size, device, dtype, model=raw_model,
-                            fast=fast_paths, compiled=compile)
-    print0(cost.format_memory(mem, device_bytes) + f" [probed in {time.time() - _t:.0f} s]")
+        fail(f"auto_batch=True needs the device's memory, which {device_type} does not report: give --memory_gib=...")
+    _t = time.time()  # the model as it will run: its fast paths, and (compile on CUDA) inductor's partition of the
+    # regions; on the CPU the eager plan, which keeps more than the compiled model, and is faster to probe
+    mem = memory_plan.train_memory(raw_model.config, batch_size, block_size, device, dtype, model=raw_model,
+                                   fast=fast_paths, compiled=compile and device_type == 'cuda')
+    print0(memory_plan.format_memory(mem, device_bytes, _what) + f" [probed in {time.time() - _t:.0f} s]")
     if auto_batch:
         try:
-            batch_size, gradient_accumulation_steps = cost.auto_micro_batch(
-                batch_size * gradient_accumulation_steps, mem['predict'], cost.AUTO_BATCH_FILL * device_bytes)
+            batch_size, gradient_accumulation_steps = memory_plan.auto_micro_batch(
+                batch_size * gradient_accumulation_steps, mem['predict'], memory_plan.AUTO_BATCH_FILL * device_bytes)
         except ValueError as e:
             fail(str(e))
         train_loader.B = batch_size
         print0(f"auto_batch: micro-batch {batch_size}, gradient_accumulation_steps {gradient_accumulation_steps}")
+    elif device_bytes is not None:  # stop now, not mid-step (on the CPU: under the kernel's OOM killer, silently)
+        _msg = memory_plan.fit_message(mem, batch_size, block_size, gradient_accumulation_steps, device_bytes, _what,
+                                       memory_plan.RUN_FILL.get(device_type, memory_plan.AUTO_BATCH_FILL), world_size)
+        if _msg:
+            fail(_msg)
 
 
 if learning_rate is None:

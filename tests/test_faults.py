@@ -312,13 +312,13 @@ def test_auto_batch_keeps_the_global_batch_in_the_batches_the_model_sees(data_di
     """16 sequences per step asked as 16 x 1, with a memory budget that fits about 5: every
     optimizer step still trains on exactly 16 sequences, in micro-batches of the size the plan
     printed (counted at the model's forward, not read from the plan)."""
-    import cost
     from model import GPT, GPTConfig
+    from plan import memory as memory_plan
     cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=257)
     torch.manual_seed(1337)
-    mem = cost.train_memory(cfg, 16, 32, model=GPT(cfg))
+    mem = memory_plan.train_memory(cfg, 16, 32, model=GPT(cfg))
     per_seq = mem['per_sequence']
-    budget_gib = (mem['total'] - 16 * per_seq + 5.2 * per_seq) / cost.AUTO_BATCH_FILL / 2**30
+    budget_gib = (mem['total'] - 16 * per_seq + 5.2 * per_seq) / memory_plan.AUTO_BATCH_FILL / 2**30
     log = tmp_path / 'batches.json'
     monkeypatch.setenv('BATCH_LOG', str(log))
     r = train_injected(COUNT_BATCHES, '--device=cpu', '--compile=False', '--n_layer=2', '--n_embd=32', '--n_head=2',

@@ -86,8 +86,8 @@ def env_stage(device, fast_setting='auto'):
     import model
     out['peak_flops'] = model.peak_flops(dev)  # None: no MFU will be printed
     imported = {}
-    for mod in ('model', 'residuals', 'fast', 'cost', 'configurator', 'data.tokenizer', 'probe', 'sample',
-                'bench'):
+    for mod in ('model', 'residuals', 'fast', 'cost', 'plan.memory', 'configurator', 'data.tokenizer', 'probe',
+                'sample', 'bench'):
         try:
             __import__(mod)
             imported[mod] = 'ok'
