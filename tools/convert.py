@@ -418,6 +418,7 @@ def read_distcp(path, prefix='model.'):
         raise ValueError(f"{path} has no .metadata: not a torch.distributed checkpoint directory (model_and_optim/)")
     warnings.filterwarnings('ignore', message='torch.distributed is disabled')  # one process, as intended
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     try:
         md = _torch_reader(path).read_metadata()
@@ -433,10 +434,11 @@ def read_distcp(path, prefix='model.'):
         raise ValueError(f"{path} holds no tensors under {prefix!r}: not an OLMo-core model checkpoint")
     try:
         dcp.load(state, storage_reader=_torch_reader(path), no_dist=True)
-    except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else ''
+    except (Exception, CheckpointException) as e:  # CheckpointException: a BaseException wrapping the reader's
+        inner = next((f[0] for f in e.failures.values()), e) if isinstance(e, CheckpointException) else e
+        first = str(inner).splitlines()[0] if str(inner) else ''
         raise ValueError(describe_load_error(e, path) or f"cannot read the shards of {path} "
-                         f"({type(e).__name__}: {first}): truncated or incomplete; download it again") from None
+                         f"({type(inner).__name__}{': ' + first if first else ''}): truncated or incomplete; download it again") from None
     return {k[len(prefix):]: v for k, v in state.items()}, 'torch.distributed.checkpoint'
 
 

@@ -125,5 +125,4 @@ def describe_load_error(exc, path):
         name = (same or others or [name])[0]
     what = f"holds code or unknown classes ({name})" if name else \
         "holds pickle opcodes that a weights-only load refuses (a plain pickle, not a torch.save file)"
-    return (f"{path} {what}: refused, nothing in it was run; load only checkpoints written by "
-            f"train.py or tools/convert.py, from a source you trust")
+    return f"{path} {what}: refused, nothing in it was run; get the file again from a source you trust"
