@@ -145,6 +145,13 @@ def _parse_override(arg, g, keys, none_types):
         value = raw  # a bare word such as --device=cpu
     if (isinstance(g[key], str) or none_types.get(key) is str) and not isinstance(value, str):
         value = raw  # a str key keeps the literal text: --run_name=2024 is '2024'
+    if isinstance(value, str) and (isinstance(g[key], float) or none_types.get(key) is float):
+        try:  # --learning_rate=nan / inf: refused below as not finite, not as a string
+            number = float(value)
+        except ValueError:
+            number = 0.0
+        if not math.isfinite(number):
+            value = number
     return key, _check_type(key, value, g[key], arg, none_types.get(key))
 
 
