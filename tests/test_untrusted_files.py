@@ -115,6 +115,20 @@ def test_sample_refuses_a_checkpoint_holding_code(tmp_path):
     assert_refused(r, marker, 'exec')
 
 
+@pytest.mark.parametrize('damage', ['junk', 'random', 'half'])
+def test_damaged_checkpoints_are_not_called_code(tmp_path, damage):
+    """torch reports bytes that are no pickle as a weights-only refusal too: those stay
+    'truncated', not 'holds code'."""
+    from probe import load_model
+    path = tmp_path / 'ckpt.pt'
+    good = torch_save({'n_layer': 1}, tmp_path / 'good.pt').read_bytes()
+    path.write_bytes({'junk': b'not a checkpoint', 'random': bytes(range(256)) * 8,
+                      'half': good[:len(good) // 2]}[damage])
+    with pytest.raises(ValueError) as e:
+        load_model(path)
+    assert 'truncated' in str(e.value) and 'holds code' not in str(e.value), str(e.value)
+
+
 # -----------------------------------------------------------------------------
 # tools/convert.py: --to=hf, --from=hf
 

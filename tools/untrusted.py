@@ -42,10 +42,12 @@ _STRING_OPS = ('SHORT_BINUNICODE', 'BINUNICODE', 'BINUNICODE8', 'UNICODE', 'STRI
 
 def _globals_in_stream(f, found, max_pickles=8):
     """Appends to `found` the 'module.name' of every GLOBAL / INST / STACK_GLOBAL in the
-    pickles read from the binary file `f` (torch's legacy format holds several in a row).
-    STACK_GLOBAL takes its two names from the stack; they are pushed by string opcodes or
-    fetched from the memo, which is followed for strings only."""
-    for _ in range(max_pickles):
+    pickles read from the binary file `f` (torch's legacy format holds several in a row);
+    returns whether the first one is a whole pickle (parsed up to its STOP). STACK_GLOBAL
+    takes its two names from the stack; they are pushed by string opcodes or fetched from
+    the memo, which is followed for strings only."""
+    whole = False
+    for i in range(max_pickles):
         memo, pushed, last = {}, [], None
         try:
             for op, arg, _ in pickletools.genops(f):
@@ -66,27 +68,34 @@ def _globals_in_stream(f, found, max_pickles=8):
                     pushed.append(value)
                     last = value
                     del pushed[:-2]
-        except Exception:  # the end of the file, or a damaged pickle: what was found so far
-            return
+        except Exception:  # the end of the file, or bytes that are no pickle: what was found so far
+            return whole
+        whole = whole or i == 0
+    return whole
 
 
-def pickle_globals(path):
-    """The globals ('module.name', in file order) the pickles of `path` name: a torch.save zip
-    file (its *.pkl members), torch's legacy format or a plain pickle. Reads opcodes only."""
-    found = []
+def _scan(path):
+    """(globals of `path`'s pickles, whether its first pickle is whole): a torch.save zip file
+    (its *.pkl members), torch's legacy format or a plain pickle. Reads opcodes only."""
+    found, whole = [], False
     try:
         if zipfile.is_zipfile(path):
             with zipfile.ZipFile(path) as z:
                 for member in z.namelist():
                     if member.endswith('.pkl'):
                         with z.open(member) as f:
-                            _globals_in_stream(f, found)
+                            whole = _globals_in_stream(f, found) or whole
         else:
             with open(path, 'rb') as f:
-                _globals_in_stream(f, found)
+                whole = _globals_in_stream(f, found)
     except (OSError, zipfile.BadZipFile):
         pass
-    return found
+    return found, whole
+
+
+def pickle_globals(path):
+    """The globals ('module.name', in file order) the pickles of `path` name."""
+    return _scan(path)[0]
 
 
 def refused_global(exc):
@@ -120,7 +129,10 @@ def describe_load_error(exc, path):
     if name is None:
         return None
     if '.' not in name or name.split('.')[0] in _CHECKPOINT_MODULES:  # torch names builtins without their module
-        others = [g for g in pickle_globals(path) if g.split('.')[0] not in _CHECKPOINT_MODULES]
+        found, whole = _scan(path)
+        others = [g for g in found if g.split('.')[0] not in _CHECKPOINT_MODULES]
+        if not name and not others and not whole:
+            return None  # bytes that are no pickle (torch reports those as refusals too): damaged
         same = [g for g in others if name and g.endswith('.' + name)]
         name = (same or others or [name])[0]
     what = f"holds code or unknown classes ({name})" if name else \
