@@ -428,8 +428,12 @@ def read_distcp(path, prefix='model.'):
         meta = os.path.join(path, '.metadata')
         raise ValueError(describe_load_error(e, meta) or f"{meta} cannot be read ({type(e).__name__}): "
                          f"truncated or not a torch.distributed checkpoint; download it again") from None
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    try:
+        state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+                 if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    except (AttributeError, TypeError, ValueError, RuntimeError) as e:  # the right classes, wrong contents
+        raise ValueError(f"{path}/.metadata does not describe tensors ({type(e).__name__}): "
+                         f"not a torch.distributed checkpoint; download it again") from None
     if not state:
         raise ValueError(f"{path} holds no tensors under {prefix!r}: not an OLMo-core model checkpoint")
     try:
