@@ -54,6 +54,7 @@ import statistics
 import sys
 import time
 import types
+import uuid
 from contextlib import nullcontext
 
 import torch
@@ -717,14 +718,20 @@ def format_compile_table(rows):
 
 
 def write_json(path, obj):
-    """Writes obj as JSON atomically (temp file, fsync, rename)."""
+    """Writes obj as JSON atomically (a temp file of this process's own, fsync, rename): two
+    processes writing one path at once leave one whole file, never a mix or a stray temp file."""
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, 'x') as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def main(argv=None):

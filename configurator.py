@@ -13,12 +13,17 @@ so that e.g.
 first runs config/attnres_L32.py, then applies the two overrides (command-line
 overrides always win over config files, whatever their order). Unlike nanoGPT's
 configurator, a misspelt key or a value of the wrong type is an error, not a
-silently ignored or silently retyped setting; `python train.py --help` lists every key.
+silently ignored or silently retyped setting, and a float setting must be a finite number
+(nan and inf are refused: they would reach the optimizer or a loop bound);
+`python train.py --help` lists every key. `finite_float` is the same check as an
+argparse type (cost.py).
 """
 
+import argparse
 import ast
 import difflib
 import io
+import math
 import os
 import sys
 import tokenize
@@ -34,10 +39,34 @@ def _close(key, keys):
     return f" (did you mean {', '.join(matches)}?)" if matches else ""
 
 
+def finite_float(text):
+    """argparse type: `text` as a float that is a finite number. Raises argparse.ArgumentTypeError
+    (argparse's one-line usage error) for anything else, nan and inf included."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def _check_type(key, value, current, where, declared=None):
-    """Return `value` converted to the type of `current`, or raise ConfigError. `declared`:
-    the type of a key whose default is None (None itself stays allowed), or a tuple of the
-    types a key accepts; without it a None default accepts anything."""
+    """Return `value` converted to the type of `current`, or raise ConfigError; a float value
+    (of any key) must be finite. `declared`: the type of a key whose default is None (None
+    itself stays allowed), or a tuple of the types a key accepts; without it a None default
+    accepts anything."""
+    try:
+        value = _convert(key, value, current, where, declared)
+    except OverflowError:  # an int too large for a float key: --learning_rate=1000...0
+        value = math.inf
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: {key} = {value!r} is not a finite number; give a finite value")
+    return value
+
+
+def _convert(key, value, current, where, declared=None):
+    """_check_type's conversion, without the finiteness check."""
     default = current
     if isinstance(declared, tuple):  # one of several types, e.g. (str, bool) for fast = 'auto' | True | False
         if bool in declared and isinstance(value, str) and value.lower() in ('true', 'false'):
@@ -116,6 +145,13 @@ def _parse_override(arg, g, keys, none_types):
         value = raw  # a bare word such as --device=cpu
     if (isinstance(g[key], str) or none_types.get(key) is str) and not isinstance(value, str):
         value = raw  # a str key keeps the literal text: --run_name=2024 is '2024'
+    if isinstance(value, str) and (isinstance(g[key], float) or none_types.get(key) is float):
+        try:  # --learning_rate=nan / inf: refused below as not finite, not as a string
+            number = float(value)
+        except ValueError:
+            number = 0.0
+        if not math.isfinite(number):
+            value = number
     return key, _check_type(key, value, g[key], arg, none_types.get(key))
 
 

@@ -50,6 +50,7 @@ import multiprocessing
 
 import torch
 
+from configurator import finite_float
 from model import GPT, GPTConfig, ffn_hidden_size
 
 # the main family's shapes (paper Table 3), used when study/families.py is not importable
@@ -754,7 +755,7 @@ def main(argv=None):
     p.add_argument('--out', default='out/cost', help='output folder for cost.json and cost.png')
     p.add_argument('--memory', default=None, metavar='CONFIG',
                    help='instead: the predicted peak training memory of a train.py config at its micro-batch')
-    p.add_argument('--budget_gib', type=float, default=None,
+    p.add_argument('--budget_gib', type=finite_float, default=None,
                    help='with --memory: the micro-batch that fits this many GiB (as train.py --auto_batch=True)')
     p.add_argument('--compiled', choices=('True', 'False'), default=None,
                    help="with --memory: plan the model under GPT.compile_regions (default: the config's compile, "

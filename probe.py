@@ -54,6 +54,7 @@ import fast as fastpath
 from probes import analysis, evals
 from probes.runs import PrefixRunner, batches, ce_sum, clean_states, device_of, flat, run_from, swap_order  # noqa: F401
 from model import GPT, GPTConfig
+from tools.untrusted import describe_load_error
 
 REPO_ROOT = Path(__file__).resolve().parent
 
@@ -94,7 +95,8 @@ def load_model(ckpt_path, device='cpu', fast=False):
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # torch raises RuntimeError / EOFError / UnpicklingError for damaged files
-        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}); the file is truncated "
+        raise ValueError(describe_load_error(e, path) or  # a file holding code is refused, and said so
+                         f"checkpoint {path} cannot be read ({type(e).__name__}); the file is truncated "
                          f"or not a torch checkpoint: copy it again or re-save it with train.py") from None
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
         raise ValueError(f"checkpoint {path} lacks 'model' / 'model_args'; save it with train.py")

@@ -9,7 +9,9 @@ $ python sample.py --out_dir=out/cpu_attnres --start=FILE:prompt.txt --temperatu
 
 Generation has no KV cache: every new token runs the model on the last block_size tokens
 of the context (the context is cropped to the length the model was trained on), which is
-simple, and works for every scheme, including those that attend over depth.
+simple, and works for every scheme, including those that attend over depth. An empty prompt
+(--start= or an empty FILE:) starts a new document: generation begins after the
+end-of-text token, as after a document boundary in training, and the sample shows it.
 """
 
 import os

@@ -49,6 +49,7 @@ import fast as fastpath
 from configurator import ConfigError, comments_from_source, configure
 from model import GPT, GPTConfig, estimate_mfu
 from residuals import RESIDUALS
+from tools.untrusted import describe_load_error
 
 # -----------------------------------------------------------------------------
 # default config values: a small Pre-LN model on FineWeb-Edu
@@ -262,7 +263,8 @@ if init_from == 'resume':
     try:
         checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
     except Exception as e:
-        fail(f"cannot read checkpoint {ckpt_path} (truncated or corrupt: {type(e).__name__}): "
+        fail(describe_load_error(e, ckpt_path) or  # a file holding code is refused, and said so
+             f"cannot read checkpoint {ckpt_path} (truncated or corrupt: {type(e).__name__}): "
              f"restore a good copy{' (ckpt_best.pt may be one)' if os.path.exists(os.path.join(out_dir, 'ckpt_best.pt')) else ''}, "
              f"or start fresh with --init_from=scratch in another --out_dir")
     _missing = [k for k in CHECKPOINT_PARTS if not isinstance(checkpoint, dict) or k not in checkpoint]

@@ -55,6 +55,7 @@ import os
 import re
 import shlex
 import sys
+import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
 from study import families, mini  # noqa: E402
@@ -198,10 +199,19 @@ def collect(family, root=None, seeds=1):
     rows = read_all(family, root, seeds)
     path = os.path.join(root, 'out', family, 'results.json')
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(dict(family=family, runs=rows, summary=summarize(rows)), f, indent=1)
-    os.replace(tmp, path)
+    # a temporary name of this process's own (two collections at once never write one file),
+    # fsynced, then renamed over results.json: a reader sees the old file or the new one
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, 'x') as f:
+            json.dump(dict(family=family, runs=rows, summary=summarize(rows)), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     n = {s: sum(r['status'] == s for r in rows) for s in ('finished', 'unfinished', 'missing')}
     n_seeds = max((sum(1 for x in rows if x['name'].split('_seed')[0] == r.name) for r in families.runs(family)),
                   default=1)

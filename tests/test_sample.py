@@ -150,3 +150,29 @@ def test_a_tokenizer_json_recorded_in_the_checkpoint_is_used(tmp_path):
     assert text.startswith('the lazy dog') and len(tok.encode(text, add_special_tokens=False).ids) >= len(ids)
     with pytest.raises(SystemExit, match='tokenizer'):  # GPT-2's 50,257 ids do not fit this model
         sample.main([f'--init_from={ckpt}', '--device=cpu', '--tokenizer=gpt2'])
+
+
+def test_an_empty_prompt_starts_a_new_document(tmp_path):
+    """--start= (or an empty FILE:) generates after the end-of-text token, as at a document
+    boundary in training: the sample is '<|endoftext|>' and the greedy continuation of it."""
+    from data.tokenizer import get_tokenizer
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    ckpt = save(model, tmp_path / 'ckpt.pt')
+    tok = get_tokenizer('byte')
+    ids = [tok.eot]  # an independent greedy loop from the end-of-text token
+    with torch.no_grad():
+        for _ in range(6):
+            logits, _ = GPT.forward(model, torch.tensor([ids[-16:]]))
+            ids.append(int(logits[0, -1].argmax()))
+    want = tok.decode(ids)
+    assert want.startswith('<|endoftext|>')
+    r = subprocess.run([sys.executable, 'sample.py', f'--init_from={ckpt}', '--device=cpu', '--start=',
+                        '--num_samples=1', '--max_new_tokens=6', '--temperature=0'], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and 'Traceback' not in r.stderr, r.stderr
+    assert want in r.stdout
+    (tmp_path / 'empty.txt').write_text('')
+    [text] = sample.main([f'--init_from={ckpt}', '--device=cpu', f'--start=FILE:{tmp_path / "empty.txt"}',
+                          '--num_samples=1', '--max_new_tokens=6', '--temperature=0'])
+    assert text == want

@@ -604,7 +604,7 @@ def test_trains_and_round_trips(residual):
     buf = io.BytesIO()
     torch.save({'model': model.state_dict(), 'config': model.config.__dict__}, buf)
     buf.seek(0)
-    ckpt = torch.load(buf)
+    ckpt = torch.load(buf, weights_only=True)
     again = GPT(GPTConfig.from_dict(ckpt['config']))
     again.load_state_dict(ckpt['model'])
     model.eval(), again.eval()

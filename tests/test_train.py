@@ -332,7 +332,7 @@ def test_resuming_a_checkpoint_older_than_a_model_field_records_what_it_trains(d
     out = tmp_path / 'old'
     train(*TINY, '--residual=mhc', f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2',
           '--eval_interval=2')
-    ck = torch.load(out / 'ckpt.pt', weights_only=False)
+    ck = torch.load(out / 'ckpt.pt', weights_only=True)
     for part in ('model_args', 'config'):
         ck[part].pop('mhc_sinkhorn', None)                     # as an older train.py wrote it
     torch.save(ck, out / 'ckpt.pt')

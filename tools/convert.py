@@ -15,9 +15,11 @@ checkpoints: <dir>/config.json (the experiment config: 'model', 'dataset', ...) 
 The scheme and shape come from config.json's model.block (name, attnres_block_size,
 hyper_connections); every tensor is then mapped by name (`study_layout`) and checked
 for shape, and the result must hold exactly the parameters of our model. Reading uses
-`ai2-olmo-core`'s reader when it is installed (an optional dependency), else
 torch.distributed.checkpoint's reader with OLMo-core's storage records mapped onto
 torch's (torch's plain reader fails on them: `_StorageInfo ... transform_descriptors`).
+Nothing in a checkpoint runs: .metadata is read by an allow-list unpickler (the metadata
+classes only), every tensor with torch.load(weights_only=True); a file that names any other
+function or class is refused in one line that names it (tools/untrusted.py).
 
 Pre-LN is exactly LlamaForCausalLM (RMSNorm, RoPE on half-split pairs, SwiGLU, no
 biases), so that bridge is one rename per tensor; tied embeddings are imported as two
@@ -34,6 +36,7 @@ import math
 import os
 import pickle
 import tempfile
+import uuid
 import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -43,6 +46,7 @@ import torch
 import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
 from model import GPT, GPTConfig
+from tools.untrusted import RefusedGlobal, describe_load_error
 
 # -----------------------------------------------------------------------------
 # the study's layout: block kinds and key names (OLMo-core nn/transformer/{block,model,config}.py,
@@ -343,17 +347,43 @@ def to_study(state, cfg, kind, backend='hc', with_aliases=False):
 # -----------------------------------------------------------------------------
 # reading OLMo-core distributed checkpoints
 
+# every global the .metadata of a torch.distributed checkpoint pickles (torch's FileSystemWriter
+# and OLMo-core's RemoteFileSystemWriter): the metadata dataclasses, torch.Size, the storage
+# record, a layout by name, and the checkpoint's path. Dtypes (torch.float32, ...) are
+# allowed by type. Nothing else is ever imported: a file naming os.system is refused unrun.
+DCP_METADATA = 'torch.distributed.checkpoint.metadata'
+DCP_GLOBALS = {(DCP_METADATA, n) for n in ('Metadata', 'TensorStorageMetadata', 'BytesStorageMetadata',
+                                           'ChunkStorageMetadata', 'TensorProperties', 'MetadataIndex',
+                                           'StorageMeta', '_MEM_FORMAT_ENCODING')} | {
+    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'),
+    ('torch.serialization', '_get_layout'), ('collections', 'OrderedDict')}
+PATH_CLASSES = ('PosixPath', 'WindowsPath', 'PurePosixPath', 'PureWindowsPath')  # StorageMeta.checkpoint_id
+
+
 class _StudyUnpickler(pickle.Unpickler):
-    """Reads OLMo-core's .metadata without OLMo-core: its storage records are torch's
-    _StorageInfo fields under OLMo-core's class name."""
+    """Reads a torch.distributed checkpoint's .metadata (torch's or OLMo-core's) without running
+    anything in it: find_class returns only the classes of DCP_GLOBALS, torch dtypes and layouts,
+    a pure path for the checkpoint id, and torch's _StorageInfo for OLMo-core's storage record
+    (the same fields under OLMo-core's class name); any other global raises RefusedGlobal."""
 
     def find_class(self, module, name):
+        import torch.distributed.checkpoint.filesystem  # noqa: F401 (DCP_GLOBALS' modules)
+        import torch.distributed.checkpoint.metadata  # noqa: F401
         if module.startswith('olmo_core.') and name == '_StorageInfo':
             from torch.distributed.checkpoint.filesystem import _StorageInfo
             return _StorageInfo
-        if module.startswith('olmo_core.'):
-            raise ValueError(f"the checkpoint metadata needs {module}.{name}: pip install ai2-olmo-core to read it")
-        return super().find_class(module, name)
+        if (module, name) in DCP_GLOBALS:
+            return getattr(sys.modules[module], name)
+        if module == 'torch' and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return getattr(torch, name)
+        if module in ('pathlib', 'pathlib._local') and name in PATH_CLASSES:
+            import pathlib  # a pure path: a name only, whichever system wrote it
+            return pathlib.PureWindowsPath if 'Windows' in name else pathlib.PurePosixPath
+        raise RefusedGlobal(f"{module}.{name}")
+
+
+class MetadataError(ValueError):
+    """A .metadata that unpickles to something no checkpoint holds (one line)."""
 
 
 def _torch_reader(path):
@@ -361,9 +391,15 @@ def _torch_reader(path):
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            from torch.distributed.checkpoint.metadata import StorageMeta
+            from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
             with open(os.path.join(self.path, '.metadata'), 'rb') as f:
                 md = _StudyUnpickler(f).load()
+            if not isinstance(md, Metadata):
+                raise MetadataError(f"{self.path}/.metadata holds a {type(md).__name__}, not a checkpoint's Metadata")
+            for info in (md.storage_data or {}).values():  # shards are files of this directory
+                rel = getattr(info, 'relative_path', None)
+                if not isinstance(rel, str) or rel in ('', '.', '..') or os.path.basename(rel) != rel:
+                    raise MetadataError(f"{self.path}/.metadata names the shard {rel!r}, not a file of its directory")
             if getattr(md, 'storage_meta', None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
@@ -374,36 +410,40 @@ def _torch_reader(path):
 def read_distcp(path, prefix='model.'):
     """The tensors under `prefix` of a torch.distributed checkpoint directory (OLMo-core's
     model_and_optim/), unsharded on CPU: ({key without prefix: tensor}, reader used).
-    Tries ai2-olmo-core's reader, then torch's; raises ValueError naming both failures."""
+    torch's reader with the allow-list unpickler for .metadata; the shards' tensors are read
+    with torch.load(weights_only=True). (ai2-olmo-core's own reader unpickles both without
+    a list, so it is never used.) Raises ValueError in one line."""
     path = str(path)
     if not os.path.isfile(os.path.join(path, '.metadata')):
         raise ValueError(f"{path} has no .metadata: not a torch.distributed checkpoint directory (model_and_optim/)")
-    errors = []
     warnings.filterwarnings('ignore', message='torch.distributed is disabled')  # one process, as intended
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     try:
-        import olmo_core.distributed.checkpoint as occ
-    except Exception as e:  # not installed, or its imports fail
-        errors.append(f"ai2-olmo-core: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    else:
-        try:
-            keys = [k for k in occ.get_checkpoint_metadata(path).state_dict_metadata if k.startswith(prefix)]
-            return {k[len(prefix):]: v for k, v in zip(keys, occ.load_keys(path, keys))}, 'ai2-olmo-core'
-        except Exception as e:
-            errors.append(f"ai2-olmo-core: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        md = _torch_reader(path).read_metadata()
+    except MetadataError:
+        raise
+    except Exception as e:
+        meta = os.path.join(path, '.metadata')
+        raise ValueError(describe_load_error(e, meta) or f"{meta} cannot be read ({type(e).__name__}): "
+                         f"truncated or not a torch.distributed checkpoint; download it again") from None
     try:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-        reader = _torch_reader(path)
-        md = reader.read_metadata()
         state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
                  if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
-        if not state:
-            raise ValueError(f"no tensors under {prefix!r}")
+    except (AttributeError, TypeError, ValueError, RuntimeError) as e:  # the right classes, wrong contents
+        raise ValueError(f"{path}/.metadata does not describe tensors ({type(e).__name__}): "
+                         f"not a torch.distributed checkpoint; download it again") from None
+    if not state:
+        raise ValueError(f"{path} holds no tensors under {prefix!r}: not an OLMo-core model checkpoint")
+    try:
         dcp.load(state, storage_reader=_torch_reader(path), no_dist=True)
-        return {k[len(prefix):]: v for k, v in state.items()}, 'torch.distributed.checkpoint'
-    except Exception as e:
-        errors.append(f"torch.distributed.checkpoint: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    raise ValueError(f"cannot read {path}: " + '; '.join(errors))
+    except (Exception, CheckpointException) as e:  # CheckpointException: a BaseException wrapping the reader's
+        inner = next((f[0] for f in e.failures.values()), e) if isinstance(e, CheckpointException) else e
+        first = str(inner).splitlines()[0] if str(inner) else ''
+        raise ValueError(describe_load_error(e, path) or f"cannot read the shards of {path} "
+                         f"({type(inner).__name__}{': ' + first if first else ''}): truncated or incomplete; download it again") from None
+    return {k[len(prefix):]: v for k, v in state.items()}, 'torch.distributed.checkpoint'
 
 
 def find_study_dir(path):
@@ -482,17 +522,28 @@ def read_hf_weights(d):
     (model.safetensors.index.json) or pytorch_model.bin."""
     d = Path(d)
     files = sorted(d.glob('*.safetensors'))
-    if files:
+    if files:  # safetensors holds tensors and a JSON header only: nothing in it can run
         from safetensors.torch import load_file
         out = {}
         for f in files:
-            out.update(load_file(str(f)))
+            try:
+                out.update(load_file(str(f)))
+            except Exception as e:
+                raise ValueError(f"{f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                                 f"truncated or not a safetensors file; download it again") from None
         return out
     bins = sorted(d.glob('pytorch_model*.bin'))
     if bins:
         out = {}
         for f in bins:
-            out.update(torch.load(f, map_location='cpu', weights_only=True))
+            try:
+                w = torch.load(f, map_location='cpu', weights_only=True)
+            except Exception as e:
+                raise ValueError(describe_load_error(e, f) or f"{f} cannot be read ({type(e).__name__}): truncated "
+                                 f"or not a torch file; download it again") from None
+            if not isinstance(w, dict) or not all(isinstance(v, torch.Tensor) for v in w.values()):
+                raise ValueError(f"{f} is not a state dict of tensors: not a transformers weights file")
+            out.update(w)
         return out
     raise ValueError(f"{d} has no model.safetensors or pytorch_model.bin: download the weights too")
 
@@ -569,7 +620,8 @@ def export_hf(ckpt_path, out_dir):
     except FileNotFoundError:
         raise ValueError(f"checkpoint {ckpt_path} not found") from None
     except Exception as e:
-        raise ValueError(f"checkpoint {ckpt_path} cannot be read ({type(e).__name__})") from None
+        raise ValueError(describe_load_error(e, ckpt_path) or f"checkpoint {ckpt_path} cannot be read "
+                         f"({type(e).__name__}): truncated or not a torch checkpoint") from None
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
         raise ValueError(f"checkpoint {ckpt_path} lacks 'model' / 'model_args'; save it with train.py")
     cfg = GPTConfig.from_dict(ckpt['model_args'])
@@ -617,12 +669,16 @@ def save_checkpoint(ckpt, out):
     model.load_state_dict(ckpt['model'], strict=True, assign=True)  # raises on any key/shape mismatch
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + '.tmp')
-    with open(tmp, 'wb') as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # a name of this process's own
+    try:
+        with open(tmp, 'xb') as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def main(argv=None):
