@@ -27,12 +27,9 @@ run keeps and how it stops on a fault.
 """
 
 import datetime
-import errno
 import json
 import math
 import os
-import shutil
-import signal
 import sys
 import time
 import warnings
@@ -46,6 +43,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fast as fastpath
+from checkpoint import (best_state, catch_signals, fail, load_for_resume, lock_out_dir, remove_stale_temp,
+                        save_checkpoint, start_metrics, write_failed, write_json)
 from configurator import ConfigError, comments_from_source, configure
 from model import GPT, GPTConfig, estimate_mfu
 from residuals import RESIDUALS
@@ -121,127 +120,9 @@ try:
                          none_types=none_default_types)
 except ConfigError as e:
     sys.exit(f"error: {e}")
-_cleanups = []  # run by fail(): undo what a failed start created (the lock, an empty out_dir)
-
-
-def fail(msg):
-    """A user error: one line, no traceback."""
-    for fn in _cleanups:
-        fn()
-    sys.exit(f"error: {msg}")
-
-
-resume_iter = None  # the iteration of out_dir/ckpt.pt, where a resume starts (None: no checkpoint yet)
-training = False  # whether the training loop has started
-_interrupt = {'defer': False, 'pending': False}  # a Ctrl-C during a checkpoint write waits for its end
-
-
-def on_interrupt(signum, frame):
-    """Ctrl-C at any moment: one line saying from which iteration a resume starts, instead of
-    a traceback. During a checkpoint write it waits until the write ends, so the line is exact."""
-    if _interrupt['defer']:
-        _interrupt['pending'] = True
-        return
-    ckpt = os.path.join(out_dir, 'ckpt.pt')
-    if eval_only:
-        msg = "interrupted (eval_only: nothing was written)"
-    elif not training:
-        for fn in _cleanups:  # undo what the start created (an out_dir holding only the lock)
-            fn()
-        msg = "interrupted before training started; " + (
-            f"nothing was changed: the same command resumes from {ckpt}" if init_from == 'resume'
-            else "no checkpoint was written: run the same command again")
-    elif resume_iter is None:
-        msg = (f"interrupted at iteration {iter_num}, before the first checkpoint: nothing to resume; "
-               f"run the same command again")
-    else:
-        lost = iter_num - resume_iter
-        msg = (f"interrupted at iteration {iter_num}; a resume (--init_from=resume) starts from iteration "
-               f"{resume_iter}, the last checkpoint ({ckpt})"
-               + (f": {lost} iteration{'s' if lost > 1 else ''} will run again" if lost > 0 else ''))
-    if int(os.environ.get('RANK', 0)) == 0:
-        print(msg, flush=True)
-    sys.exit(130)
-
-
-signal.signal(signal.SIGINT, on_interrupt)
-
-
-def lock_out_dir(out_dir):
-    """An exclusive flock on out_dir/train.lock, held until the process ends (the kernel
-    releases it on any exit, kill -9 included): two runs never write one out_dir. The file
-    names the holder's pid. Returns the open file (keep it referenced)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        return None
-    created = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, 'train.lock')
-    f = open(path, 'a+')
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        time.sleep(0.2)  # a holder that has just taken the lock writes its pid next
-        f.seek(0)
-        other = f.read().strip() or '?'
-        f.close()
-        fail(f"{out_dir} is in use by another train.py (pid {other}, holding {path}): wait for it to "
-             f"end, or use another --out_dir")
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-
-    def undo():  # a failed start leaves out_dir as it found it
-        if os.path.exists(path) and sorted(os.listdir(out_dir)) == ['train.lock']:
-            os.remove(path)
-            if created:
-                os.rmdir(out_dir)
-    _cleanups.append(undo)
-    return f
-
-
-def pid_alive(pid):
-    """Whether a process other than this one runs with that pid."""
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)  # signal 0: only checks
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    except (OverflowError, ValueError):  # no such pid can exist
-        return False
-    return True
-
-
-def remove_stale_temp(out_dir):
-    """Removes the partial files (NAME.<pid>.tmp, atomic_write's) that a process killed mid-write
-    left in out_dir, one line for those removed; a file of a process still alive is kept
-    (named in one line). Called with the lock held: no other train.py writes out_dir."""
-    removed, kept = [], []
-    for name in sorted(os.listdir(out_dir)):
-        base, _, rest = name.rpartition('.')[0].rpartition('.')
-        if not (name.endswith('.tmp') and rest.isdigit() and base in OUT_FILES):
-            continue
-        pid = int(rest)
-        if pid_alive(pid):
-            kept.append(f"{name} (pid {pid} is running)")
-        else:
-            path = os.path.join(out_dir, name)
-            removed.append(f"{name} ({os.path.getsize(path) / 1e6:,.1f} MB)")
-            os.remove(path)
-    if removed and int(os.environ.get('RANK', 0)) == 0:
-        print(f"removed {len(removed)} partial file{'s' if len(removed) > 1 else ''} that a killed run left "
-              f"mid-write in {out_dir}: {', '.join(removed)}", flush=True)
-    if kept:
-        print(f"note: kept {', '.join(kept)} in {out_dir}: remove it once that process has ended", flush=True)
-
-
-# the files a run writes in out_dir (each through atomic_write, or a hard link, via NAME.<pid>.tmp)
-OUT_FILES = ('ckpt.pt', 'ckpt_best.pt', 'ckpt_nonfinite.pt', 'metrics.jsonl', 'summary.json')
+training = False  # whether the training loop has started: a signal then names the iteration a resume starts from
+# Ctrl-C or SIGTERM at any moment: one line naming where a resume starts (checkpoint.py)
+catch_signals(out_dir, init_from, eval_only, lambda: iter_num if training else None, int(os.environ.get('RANK', 0)) == 0)
 # keys that belong to this invocation, not to the run: a resume never takes them from the checkpoint
 RUN_CONTROL_KEYS = ('out_dir', 'init_from', 'eval_only', 'stop_iter', 'device', 'compile', 'backend', 'fsdp',
                     'dist_timeout')
@@ -249,27 +130,12 @@ RUN_CONTROL_KEYS = ('out_dir', 'init_from', 'eval_only', 'stop_iter', 'device', 
 MODEL_KEYS = ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'ffn_hidden', 'residual',
               'hc_streams', 'hc_out_init_scale', 'hc_readout', 'mhc_sinkhorn_iters', 'mhc_sinkhorn', 'mhc_init',
               'attnres_blocks', 'attnres_eps')
-CHECKPOINT_PARTS = ('model', 'model_args', 'optimizer', 'iter_num', 'loader', 'rng')
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-_out_lock = None
 if int(os.environ.get('RANK', 0)) == 0 and not eval_only:  # rank 0 writes out_dir; it alone holds the lock
     _out_lock = lock_out_dir(out_dir)
-    remove_stale_temp(out_dir)
-checkpoint = None
-if init_from == 'resume':
-    if not os.path.exists(ckpt_path):
-        fail(f"init_from='resume' but {ckpt_path} does not exist: start with --init_from=scratch")
-    try:
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
-    except Exception as e:
-        fail(f"cannot read checkpoint {ckpt_path} (truncated or corrupt: {type(e).__name__}): "
-             f"restore a good copy{' (ckpt_best.pt may be one)' if os.path.exists(os.path.join(out_dir, 'ckpt_best.pt')) else ''}, "
-             f"or start fresh with --init_from=scratch in another --out_dir")
-    _missing = [k for k in CHECKPOINT_PARTS if not isinstance(checkpoint, dict) or k not in checkpoint]
-    if _missing:
-        fail(f"{ckpt_path} lacks {', '.join(_missing)}: not a whole train.py checkpoint; restore a good copy "
-             f"or start fresh in another --out_dir")
-    resume_iter = checkpoint['iter_num']
+    remove_stale_temp(out_dir, locked=_out_lock is not None)  # a killed run's partial files
+checkpoint = load_for_resume(out_dir) if init_from == 'resume' else None  # verified, whole
+if checkpoint is not None:
     # the run's own settings, except those this command line (or a config file) sets: a resume
     # continues the run in out_dir whatever defaults the script has now
     try:  # from_dict: a field older checkpoints lack takes the value they were trained with
@@ -590,6 +456,10 @@ try:  # the fast paths that apply (fast/), each checked against residuals.py on 
 except (ValueError, fastpath.FastPathMismatch) as e:
     fail(str(e))
 print0(fastpath.describe(fast_paths))
+_ran = checkpoint.get('fast_paths') if checkpoint is not None else None  # None: not recorded
+if _ran is not None and _ran != [p.name for p in fast_paths]:  # another rounding: allowed, but said
+    print0(f"note: the fast paths ({', '.join(p.name for p in fast_paths) or 'none'}) differ from the checkpoint's "
+           f"run's ({', '.join(_ran) or 'none'}): the resumed run does not continue it bit-identically")
 
 if auto_batch and fsdp:
     fail("auto_batch=True plans an unsharded model: drop --fsdp=True, or set --batch_size yourself")
@@ -764,115 +634,24 @@ def full_state(what):
     return raw_model.state_dict() if what == 'model' else optimizer.state_dict()
 
 
-def fsync_replace(tmp, path):
-    """os.replace(tmp, path) once tmp's bytes are on the disk (fsync), then fsync the
-    directory so that the rename itself survives a power loss."""
-    with open(tmp, 'rb+') as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems cannot fsync a directory
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_failed(path, e, need_bytes=None):
-    """One line for a write that failed (disk full, quota, I/O error), naming the disk and
-    the space; the last complete files are kept."""
-    d = os.path.dirname(os.path.abspath(path))
-    free = shutil.disk_usage(d).free
-    need = f", about {need_bytes / 1e6:,.1f} MB needed" if need_bytes else ''
-    full = getattr(e, 'errno', None) in (errno.ENOSPC, errno.EDQUOT) or 'No space left' in str(e) \
-        or (need_bytes is not None and free < need_bytes)  # torch's C++ writer gives no errno
-    why = 'the disk is full' if full else f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    kept = f"; {ckpt_path} (the last complete checkpoint) is kept" if os.path.exists(ckpt_path) else ''
-    fail(f"cannot write {path}: {why} ({d}: {free / 1e6:,.1f} MB free{need}): free space, or move "
-         f"--out_dir to another disk and resume{kept}")
-
-
-def atomic_write(path, write):
-    """write(tmp) writes the file at the path tmp, a temp name unique to this process beside
-    path; then fsync and rename: a crash or a full disk mid-write never leaves a truncated
-    file at path, nor a temp file behind. (torch.save is given the path, not a Python file
-    object: its C++ writer then runs no Python, so a Ctrl-C lands after the write.)"""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        write(tmp)
-        fsync_replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def write_bytes(tmp, data):
-    with open(tmp, 'wb') as f:
-        f.write(data)
-
-
-def _nbytes(obj):
-    # bytes of the tensors in a (nested) state dict: the size of its checkpoint, roughly
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
-
-
-def save_checkpoint(path, evaluated=True, best=False):
+def save(path, evaluated=True, best=False):
     """Everything needed to continue exactly: weights (of the uncompiled module, so no
     `_orig_mod.` prefixes), optimizer, model and run config, iteration, data-loader
     position and RNG states, whether the state at this iteration has been evaluated
-    (a resume then skips that evaluation) and its losses. Written atomically (atomic_write):
-    a crash or a full disk mid-write leaves the previous checkpoint whole. best: also keep
-    it as ckpt_best.pt (a hard link: no second copy on disk). A Ctrl-C waits for the end."""
-    global resume_iter
+    (a resume then skips that evaluation) and its losses; written sealed and atomically by
+    checkpoint.save_checkpoint (best: also as ckpt_best.pt)."""
     model_state, opt_state = full_state('model'), full_state('optimizer')  # collective under FSDP
     if not master:
         return
-    _interrupt['defer'] = True
-    try:
-        _write_checkpoint(path, model_state, opt_state, evaluated, best)
-        if path == ckpt_path:
-            resume_iter = iter_num
-    finally:
-        _interrupt['defer'] = False
-    if _interrupt['pending']:
-        on_interrupt(signal.SIGINT, None)
-
-
-def _write_checkpoint(path, model_state, opt_state, evaluated, best):
     rng = {'torch': torch.get_rng_state()}
     if device_type == 'cuda':
         rng['cuda'] = torch.cuda.get_rng_state()
-    ckpt = {'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config),
-            'config': config, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'best_iter': best_iter,
-            'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated,
-            'val_loss': val_loss, 'train_loss': lossf,
-            'tokenizer': meta.get('tokenizer')}  # sample.py decodes with it (None: data without meta.json)
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    try:
-        atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
-        if best:
-            best_path = os.path.join(os.path.dirname(path), 'ckpt_best.pt')
-            tmp = f"{best_path}.{os.getpid()}.tmp"
-            try:
-                os.link(path, tmp)  # the same bytes under a second name; replacing ckpt.pt later keeps them
-                os.replace(tmp, best_path)
-            except OSError:  # no hard links here: a copy
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                atomic_write(best_path, lambda t: shutil.copyfile(path, t))
-    except (OSError, RuntimeError) as e:  # torch reports a failed write as a RuntimeError
-        write_failed(path, e, _nbytes(ckpt))
+    save_checkpoint(path, {
+        'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config), 'config': config,
+        'iter_num': iter_num, 'best_val_loss': best_val_loss, 'best_iter': best_iter,
+        'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated,
+        'val_loss': val_loss, 'train_loss': lossf, 'fast_paths': [p.name for p in fast_paths],
+        'tokenizer': meta.get('tokenizer')}, best=best)  # sample.py decodes with it (None: data without meta.json)
 
 
 def block_stats(x):
@@ -895,36 +674,10 @@ def block_stats(x):
     return {'block_grad_norm': grads, 'block_act_rms': rms}
 
 
-def _row_iter(line):
-    """The 'iter' of one metrics.jsonl line; None for a line cut off by a crash mid-write."""
-    try:
-        return json.loads(line)['iter']
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-metrics_file = None
+metrics_file = None  # opened with the first row: a failed start leaves none
 metrics_path = os.path.join(out_dir, 'metrics.jsonl')
-if master and not eval_only and init_from == 'resume' and os.path.exists(metrics_path):
-    # rows logged after the checkpoint belong to iterations this run repeats: drop them,
-    # so each iteration has one row (written atomically: nothing lost on a crash)
-    with open(metrics_path) as f:
-        rows = [line for line in f if (it := _row_iter(line)) is not None and it <= iter_num]
-    try:
-        atomic_write(metrics_path, lambda tmp: write_bytes(tmp, ''.join(rows).encode()))
-    except OSError as e:
-        write_failed(metrics_path, e)
-elif master and not eval_only and init_from == 'scratch' and os.path.exists(metrics_path) \
-        and os.path.getsize(metrics_path):
-    # a new run where an earlier one stopped before its first checkpoint (killed, or a NaN):
-    # its rows go aside, so that metrics.jsonl never holds two runs' histories as one
-    _k = 1
-    while os.path.exists(os.path.join(out_dir, f'metrics_old{_k}.jsonl')):
-        _k += 1
-    _old = os.path.join(out_dir, f'metrics_old{_k}.jsonl')
-    os.replace(metrics_path, _old)
-    print0(f"note: {metrics_path} held the rows of an earlier run that left no checkpoint to resume: "
-           f"moved to {_old}")
+if master and not eval_only:  # a resume drops the rows it repeats; a new run moves an older run's aside
+    start_metrics(out_dir, init_from, iter_num)
 wandb_run = None
 if wandb_log and master and not eval_only:
     try:
@@ -989,7 +742,7 @@ if eval_only:
 def stop_nonfinite(what):
     """A non-finite loss or gradient: keep the state for a diagnosis in ckpt_nonfinite.pt,
     never in ckpt.pt (the last good checkpoint stays), and stop with one line."""
-    save_checkpoint(os.path.join(out_dir, 'ckpt_nonfinite.pt'))
+    save(os.path.join(out_dir, 'ckpt_nonfinite.pt'))
     fail(f"{what} at iteration {iter_num}; state saved to {out_dir}/ckpt_nonfinite.pt. Lower --learning_rate "
          f"(now {learning_rate:g}) and "
          + (f"resume from the last good {ckpt_path} with --init_from=resume" if os.path.exists(ckpt_path)
@@ -999,15 +752,7 @@ def stop_nonfinite(what):
 SPIKE_RATIO = 1.5  # warn when the validation loss exceeds this x its best so far (a divergence)
 
 
-def best_state_note():
-    """Where the run's best state is, for the lines of a run worse than its best."""
-    path = os.path.join(out_dir, 'ckpt_best.pt')
-    if not os.path.exists(path):
-        return "the best state was not kept (no ckpt_best.pt)"
-    return "the best state is in ckpt_best.pt" + (f" (iteration {best_iter})" if best_iter is not None else '')
-
-
-training = True  # a Ctrl-C from here on names the iteration a resume starts from
+training = True  # a signal from here on names the iteration a resume starts from
 model.train()
 t0 = time.time()
 val_loss = lossf = None
@@ -1032,12 +777,12 @@ while True:
             best_val_loss, best_iter = val_loss, iter_num
         log_metrics({'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'val_loss': val_loss, 'lr': lr})
         if iter_num > 0:
-            save_checkpoint(ckpt_path, best=is_best)
+            save(ckpt_path, best=is_best)
         elif is_best:  # the initial state: kept as ckpt_best.pt only (a run that gets worse keeps it)
-            save_checkpoint(os.path.join(out_dir, 'ckpt_best.pt'))
+            save(os.path.join(out_dir, 'ckpt_best.pt'))
         if val_loss > SPIKE_RATIO * best_val_loss:
             print0(f"warning: val loss {val_loss:.4f} is {val_loss / best_val_loss:.1f}x its best "
-                   f"({best_val_loss:.4f}): the run may be diverging; {best_state_note()}")
+                   f"({best_val_loss:.4f}): the run may be diverging; {best_state(out_dir, best_iter)[1]}")
         t0 = time.time()  # evaluation time is not training time
     if iter_num == max_iters:
         break
@@ -1092,27 +837,25 @@ while True:
                + depth + f" | eta {eta / 60:.1f}m")
         log_metrics(row)
     if stop_iter is not None and iter_num >= stop_iter and iter_num < max_iters:
-        save_checkpoint(ckpt_path, evaluated=False)  # a resume evaluates this state if it is due
+        save(ckpt_path, evaluated=False)  # a resume evaluates this state if it is due
         print0(f"stopped at iteration {iter_num} (stop_iter); continue with --init_from=resume")
         break
 
 if iter_num == max_iters and master:
-    best_path = os.path.join(out_dir, 'ckpt_best.pt')
-    summary = {'finished': True, 'iter': iter_num, 'max_iters': max_iters, 'val_loss': val_loss,
-               'best_val_loss': best_val_loss, 'best_iter': best_iter, 'train_loss': lossf,
-               'best_ckpt': best_path if os.path.exists(best_path) else None,
-               'n_params': n_params, 'tokens': iter_num * tokens_per_iter, 'config': config,
-               'model_args': asdict(raw_model.config)}
-    _summary_path = os.path.join(out_dir, 'summary.json')
-    try:
-        atomic_write(_summary_path, lambda tmp: write_bytes(tmp, json.dumps(summary, indent=1).encode()))
-    except OSError as e:
-        write_failed(_summary_path, e)
+    best_path, best_note = best_state(out_dir, best_iter)  # ckpt_best.pt read whole: a damaged one is never named
+    if best_path is None and best_iter is not None:
+        print0(f"warning: {best_note}")
+        best_note = "the best state was lost (the warning above)"
+    write_json(os.path.join(out_dir, 'summary.json'), {
+        'finished': True, 'iter': iter_num, 'max_iters': max_iters, 'val_loss': val_loss,
+        'best_val_loss': best_val_loss, 'best_iter': best_iter, 'train_loss': lossf, 'best_ckpt': best_path,
+        'n_params': n_params, 'tokens': iter_num * tokens_per_iter, 'config': config,
+        'model_args': asdict(raw_model.config)})
     worse = val_loss is not None and val_loss > best_val_loss
     print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens"
-           + (f" (warning: {val_loss / best_val_loss:.1f}x the best {best_val_loss:.4f}; {best_state_note()})"
+           + (f" (warning: {val_loss / best_val_loss:.1f}x the best {best_val_loss:.4f}; {best_note})"
               if worse and val_loss > SPIKE_RATIO * best_val_loss else
-              f" (the best was {best_val_loss:.4f}; {best_state_note()})" if worse else ''))
+              f" (the best was {best_val_loss:.4f}; {best_note})" if worse else ''))
 if wandb_run is not None:
     wandb_run.finish()
 shutdown()
