@@ -265,6 +265,26 @@ def write_failed(path, e, need_bytes=None):
          f"--out_dir to another disk and resume{kept}")
 
 
+def full_state(model, optimizer, fsdp=False):
+    """(model state dict, optimizer state dict) as plain tensors, gathered on every rank when
+    FSDP shards them (a collective: every rank calls it)."""
+    if not fsdp:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=opts)
+    if not optimizer.state:  # nothing stepped yet (ckpt_best.pt at iteration 0): get_optimizer_state_dict
+        # would fill the state with a zero-lr AdamW step, and the first real step would count as the
+        # second (other bias corrections): the groups alone, parameters by name, as it writes them
+        names = {id(p): n for n, p in model.named_parameters()}
+        opt = {'state': {}, 'param_groups': [dict(g, params=[names[id(p)] for p in g['params']])
+                                             for g in optimizer.param_groups]}
+    else:
+        opt = get_optimizer_state_dict(model, optimizer, options=opts)
+    return model_state, opt
+
+
 def seal(tmp):
     """Appends the sha256 of the file at tmp (a torch.save zip) as its archive comment."""
     with open(tmp, 'r+b') as f:
@@ -485,27 +505,38 @@ def _row_iter(line):
         return None
 
 
-def start_metrics(out_dir, init_from, iter_num, say=say):
-    """Readies out_dir/metrics.jsonl for a run starting at iter_num: a resume drops the rows
-    logged after its checkpoint (iterations it repeats), so each iteration has one row; a new
-    run moves an earlier run's rows (one that left no checkpoint) to metrics_old<k>.jsonl, so
-    the file never holds two histories as one. Returns its path."""
-    path = os.path.join(out_dir, 'metrics.jsonl')
-    if init_from == 'resume' and os.path.exists(path):
-        with open(path) as f:
-            rows = [line for line in f if (it := _row_iter(line)) is not None and it <= iter_num]
+class MetricsLog:
+    """out_dir/metrics.jsonl, one JSON row per line, for a run starting at iter_num: a resume
+    drops the rows logged after its checkpoint (iterations it repeats), so each iteration has
+    one row; a new run moves an earlier run's rows (one that left no checkpoint) to
+    metrics_old<k>.jsonl, so the file never holds two histories as one. The file is opened
+    with the first row: a failed start leaves none."""
+
+    def __init__(self, out_dir, init_from, iter_num, say=say):
+        self.path, self.file = os.path.join(out_dir, 'metrics.jsonl'), None
+        if init_from == 'resume' and os.path.exists(self.path):
+            with open(self.path) as f:
+                rows = [line for line in f if (it := _row_iter(line)) is not None and it <= iter_num]
+            try:
+                atomic_write(self.path, lambda tmp: write_bytes(tmp, ''.join(rows).encode()))
+            except OSError as e:
+                write_failed(self.path, e)
+        elif init_from == 'scratch' and os.path.exists(self.path) and os.path.getsize(self.path):
+            k = 1
+            while os.path.exists(os.path.join(out_dir, f'metrics_old{k}.jsonl')):
+                k += 1
+            old = os.path.join(out_dir, f'metrics_old{k}.jsonl')
+            os.replace(self.path, old)
+            say(f"note: {self.path} held the rows of an earlier run that left no checkpoint to resume: moved to {old}")
+
+    def write(self, row):
         try:
-            atomic_write(path, lambda tmp: write_bytes(tmp, ''.join(rows).encode()))
+            if self.file is None:
+                self.file = open(self.path, 'a')
+            self.file.write(json.dumps(row) + '\n')
+            self.file.flush()
         except OSError as e:
-            write_failed(path, e)
-    elif init_from == 'scratch' and os.path.exists(path) and os.path.getsize(path):
-        k = 1
-        while os.path.exists(os.path.join(out_dir, f'metrics_old{k}.jsonl')):
-            k += 1
-        old = os.path.join(out_dir, f'metrics_old{k}.jsonl')
-        os.replace(path, old)
-        say(f"note: {path} held the rows of an earlier run that left no checkpoint to resume: moved to {old}")
-    return path
+            write_failed(self.path, e)
 
 
 def best_state(out_dir, best_iter):

@@ -20,10 +20,9 @@ $ python train.py config/attnres_L32.py --init_from=resume
 A resume takes the run's settings from its checkpoint, so the config file may be left out:
 $ python train.py --out_dir=out/main/attnres_L32 --init_from=resume
 
-Outputs in out_dir: ckpt.pt (latest checkpoint), ckpt_best.pt (the checkpoint of the lowest
-validation loss), metrics.jsonl (one JSON object per log step), summary.json (written when
-the run finishes), train.lock (held while a run writes there). docs/training.md says what a
-run keeps and how it stops on a fault.
+Outputs in out_dir: ckpt.pt (latest checkpoint), ckpt_best.pt (lowest validation loss),
+metrics.jsonl, summary.json, train.lock; checkpoint.py writes, seals and reads them, and
+docs/training.md says what a run keeps and how it stops on a fault.
 """
 
 import datetime
@@ -37,15 +36,15 @@ from collections import deque
 from contextlib import nullcontext
 from dataclasses import asdict
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fast as fastpath
-from checkpoint import (best_state, catch_signals, fail, load_for_resume, lock_out_dir, remove_stale_temp,
-                        save_checkpoint, start_metrics, write_failed, write_json)
+from checkpoint import (MetricsLog, best_state, catch_signals, fail, full_state, load_for_resume, lock_out_dir,
+                        remove_stale_temp, save_checkpoint, write_json)
 from configurator import ConfigError, comments_from_source, configure
+from data.loader import TokenLoader, open_tokens, prepare_embedded_sample
 from model import GPT, GPTConfig, estimate_mfu
 from residuals import RESIDUALS
 
@@ -276,85 +275,6 @@ autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=d
 # data: uint16 token files of data/<dataset>/prepare.py
 
 
-def open_tokens(path):
-    """A flat uint16 token file as a read-only memmap; one line for a missing, empty or
-    odd-sized (cut off, or not uint16) file."""
-    if not os.path.exists(path):
-        fail(f"{path} not found: prepare the data first, e.g. python data/fineweb_edu/prepare.py "
-             f"--input YOUR_FILES --out_dir={os.path.dirname(path)} (or --sample for the embedded sample)")
-    size = os.path.getsize(path)
-    if size == 0:
-        fail(f"{path} is empty: prepare the data again (data/<dataset>/prepare.py)")
-    if size % 2:
-        fail(f"{path} has an odd number of bytes ({size:,}): not a whole uint16 token file (cut off?); "
-             f"prepare the data again")
-    return np.memmap(path, dtype=np.uint16, mode='r')
-
-
-class TokenLoader:
-    """Concat-and-chunk over a flat uint16 token file: the stream is cut into
-    len // (T+1) chunks of T+1 tokens (x = chunk[:-1], y = chunk[1:]); each epoch visits
-    them in a permutation seeded by (seed, epoch). The job consumes the permutation in
-    order: a micro-step of the whole job takes the next world*B chunks, rank r the r-th
-    group of B, so 2 processes x 1 micro-step see exactly the batches of 1 process x 2
-    micro-steps. The state (epoch, chunks the whole job consumed in it) is saved in
-    checkpoints; it does not depend on the process count, so a resume on any number of
-    processes continues the same stream."""
-
-    def __init__(self, path, B, T, rank=0, world=1, seed=0, shuffle=True):
-        self.data = open_tokens(path)
-        self.B, self.T, self.rank, self.world, self.seed, self.shuffle = B, T, rank, world, seed, shuffle
-        self.n_chunks = len(self.data) // (T + 1)
-        if self.n_chunks < B * world:
-            fail(f"{path} has {len(self.data):,} tokens, fewer than one batch of {B * world} x {T + 1}: "
-                 f"prepare more data or lower batch_size/block_size")
-        self.epoch, self.pos, self._perm = 0, 0, None  # pos: chunks of this epoch consumed by the job
-
-    def perm(self):
-        if self._perm is None or self._perm[0] != self.epoch:
-            p = np.random.default_rng((self.seed, self.epoch)).permutation(self.n_chunks) if self.shuffle \
-                else np.arange(self.n_chunks)
-            self._perm = (self.epoch, p)
-        return self._perm[1]
-
-    def next_batch(self):
-        per_step = self.B * self.world
-        if self.pos + per_step > self.n_chunks:  # epoch exhausted: reshuffle
-            self.epoch, self.pos = self.epoch + 1, 0
-        start = self.pos + self.rank * self.B
-        ids = self.perm()[start:start + self.B]
-        self.pos += per_step
-        chunks = np.stack([self.data[i * (self.T + 1):(i + 1) * (self.T + 1)] for i in ids]).astype(np.int64)
-        xy = torch.from_numpy(chunks)  # (B, T+1)
-        x, y = xy[:, :-1], xy[:, 1:]
-        if device_type == 'cuda':  # pin, then copy asynchronously
-            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        return x.to(device), y.to(device)
-
-    def state_dict(self):
-        return {'epoch': self.epoch, 'pos': self.pos}
-
-    def load_state_dict(self, s):
-        # 'step' (micro-steps of one process): checkpoints written before the position was global
-        self.epoch, self.pos = s['epoch'], s['pos'] if 'pos' in s else s['step'] * self.B * self.world
-
-
-def prepare_embedded_sample(data_dir, tokenizer_name):
-    """Write train.bin/val.bin/meta.json to data_dir from the web-text sample shipped in
-    data/sample/ (data/fineweb_edu/prepare.py --sample), so that a fresh clone trains offline."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        'prepare', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'fineweb_edu', 'prepare.py'))
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
-    print0(f"{data_dir} has no train.bin/val.bin: preparing it from the embedded sample "
-           f"{os.path.relpath(prepare.SAMPLE)} ({tokenizer_name} tokenizer, a few seconds)")
-    try:
-        prepare.main(['--sample', f'--tokenizer={tokenizer_name}', f'--out_dir={data_dir}'])
-    except (ValueError, FileNotFoundError) as e:
-        fail(f"cannot prepare the embedded sample: {e}")
-
-
 if data_dir is None:
     data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
     # the default data of a fresh clone: prepared from the embedded sample when absent (only
@@ -363,7 +283,7 @@ if data_dir is None:
     _sample_tok = 'gpt2' if dataset == 'fineweb_edu' else dataset.removeprefix('fineweb_edu_')
     if _sample_tok in TOKENIZERS and not all(os.path.exists(os.path.join(data_dir, f)) for f in ('train.bin', 'val.bin')):
         if master:
-            prepare_embedded_sample(data_dir, _sample_tok)
+            prepare_embedded_sample(data_dir, _sample_tok, say=print0)
         if ddp:
             dist.barrier()  # the other ranks wait until rank 0 has written the files
 elif not os.path.isdir(data_dir):
@@ -380,7 +300,7 @@ if os.path.exists(meta_path):
     if not isinstance(meta, dict) or not isinstance(meta.get('vocab_size', 0), int):
         fail(f"{meta_path} is not a JSON object with an integer vocab_size: prepare the data again")
 train_path = os.path.join(data_dir, 'train.bin')
-train_loader = TokenLoader(train_path, batch_size, block_size, rank, world_size, seed)
+train_loader = TokenLoader(train_path, batch_size, block_size, rank, world_size, seed, device=device)
 val_path = os.path.join(data_dir, 'val.bin')
 if len(open_tokens(val_path)) < block_size + 1:
     fail(f"{val_path} holds fewer than block_size+1 = {block_size + 1} tokens: lower --block_size or prepare more validation data")
@@ -598,7 +518,7 @@ def estimate_val_loss(progress=False):
                f"{'es' if n > 1 else ''} of {B} ({B * n * block_size:,} tokens); a real run prepares FineWeb-Edu "
                f"first (docs/training.md)")
     model.eval()
-    loader = TokenLoader(val_path, B, block_size, shuffle=False)  # one stream: step k = batch k
+    loader = TokenLoader(val_path, B, block_size, shuffle=False, device=device)  # one stream: step k = batch k
     total = torch.zeros(2, device=device)
     # every rank runs as many forwards (FSDP gathers in each); disable=None: a bar on a terminal only
     for i in tqdm(range(math.ceil(n / world_size)), desc='evaluating', unit='batch', leave=False, delay=2,
@@ -616,31 +536,13 @@ def estimate_val_loss(progress=False):
     return (total[0] / total[1]).item()
 
 
-def full_state(what):
-    """State dict of the model or optimizer as plain tensors (gathered when sharded by FSDP)."""
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        if what == 'model':
-            return get_model_state_dict(raw_model, options=opts)
-        if not optimizer.state:  # nothing stepped yet (ckpt_best.pt at iteration 0): get_optimizer_state_dict
-            # would fill the state with a zero-lr AdamW step, and the first real step would count as the
-            # second (other bias corrections): the groups alone, parameters by name, as it writes them
-            names = {id(p): n for n, p in raw_model.named_parameters()}
-            return {'state': {}, 'param_groups': [dict(g, params=[names[id(p)] for p in g['params']])
-                                                  for g in optimizer.param_groups]}
-        return get_optimizer_state_dict(raw_model, optimizer, options=opts)
-    return raw_model.state_dict() if what == 'model' else optimizer.state_dict()
-
-
 def save(path, evaluated=True, best=False):
     """Everything needed to continue exactly: weights (of the uncompiled module, so no
     `_orig_mod.` prefixes), optimizer, model and run config, iteration, data-loader
     position and RNG states, whether the state at this iteration has been evaluated
     (a resume then skips that evaluation) and its losses; written sealed and atomically by
     checkpoint.save_checkpoint (best: also as ckpt_best.pt)."""
-    model_state, opt_state = full_state('model'), full_state('optimizer')  # collective under FSDP
+    model_state, opt_state = full_state(raw_model, optimizer, fsdp)  # collective under FSDP
     if not master:
         return
     rng = {'torch': torch.get_rng_state()}
@@ -674,10 +576,8 @@ def block_stats(x):
     return {'block_grad_norm': grads, 'block_act_rms': rms}
 
 
-metrics_file = None  # opened with the first row: a failed start leaves none
-metrics_path = os.path.join(out_dir, 'metrics.jsonl')
-if master and not eval_only:  # a resume drops the rows it repeats; a new run moves an older run's aside
-    start_metrics(out_dir, init_from, iter_num)
+# metrics.jsonl: a resume drops the rows it repeats; a new run moves an older run's aside
+metrics_log = MetricsLog(out_dir, init_from, iter_num) if master and not eval_only else None
 wandb_run = None
 if wandb_log and master and not eval_only:
     try:
@@ -706,17 +606,9 @@ def wandb_row(row):
 
 
 def log_metrics(row):
-    """Appends one row to metrics.jsonl (created with the first row: a failed start leaves none)."""
-    global metrics_file
-    if not master or eval_only:
-        return
-    try:
-        if metrics_file is None:
-            metrics_file = open(metrics_path, 'a')
-        metrics_file.write(json.dumps(row) + '\n')
-        metrics_file.flush()
-    except OSError as e:
-        write_failed(metrics_path, e)
+    """One row to metrics.jsonl (and W&B), from rank 0."""
+    if metrics_log is not None:
+        metrics_log.write(row)
     if wandb_run is not None:
         wandb_run.log(wandb_row(row), step=row['iter'])
 
