@@ -89,6 +89,8 @@ def on_signal(signum, frame=None):
     if _run['defer']:
         _run['pending'] = signum
         return
+    for s in (signal.SIGINT, signal.SIGTERM):  # one line, however many signals follow (a group and its parent)
+        signal.signal(s, signal.SIG_IGN)
     what = 'interrupted' if signum == signal.SIGINT else f'terminated ({signal.Signals(signum).name})'
     ckpt, it, resume_iter = os.path.join(_run['out_dir'], 'ckpt.pt'), _run['where'](), _run['resume_iter']
     if _run['eval_only']:
@@ -407,6 +409,15 @@ def load_checkpoint(path, parts=('model', 'model_args'), check=True):
         raise CheckpointError(f"{path} lacks {', '.join(missing)}: not a whole train.py checkpoint; "
                               f"restore a good copy")
     return ckpt
+
+
+def iteration_of(path):
+    """The iteration of the checkpoint at path, read without its tensors (mmap) and unverified;
+    None for a missing or unreadable file."""
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=True).get('iter_num')
+    except Exception:  # missing, damaged, or not a dict
+        return None
 
 
 def load_model(ckpt_path, device='cpu', fast=False):
