@@ -558,8 +558,8 @@ def best_state(out_dir, best_iter):
     if not os.path.exists(path):
         return None, "the best state was not kept (no ckpt_best.pt)"
     try:
-        if verify(path) or torch.load(path, map_location='cpu', weights_only=True) is not None:
-            return path, f"the best state is in ckpt_best.pt{at}"
-    except Exception as e:  # CheckpointError, or a torch.load error for an unsealed cut-off file
-        why = str(e) if isinstance(e, CheckpointError) else f"{path} cannot be read ({type(e).__name__})"
-        return None, f"the best state{at} is lost: {why}"
+        if not verify(path):  # no seal (written by plain torch.save): read it whole instead
+            load_checkpoint(path, parts=(), check=False)
+    except (CheckpointError, OSError) as e:
+        return None, f"the best state{at} is lost: {e}"
+    return path, f"the best state is in ckpt_best.pt{at}"
