@@ -324,7 +324,7 @@ def save_checkpoint(path, ckpt, best=False):
         except (OSError, RuntimeError) as e:  # torch reports a failed write as a RuntimeError
             write_failed(path, e, nbytes(ckpt))
         if os.path.basename(path) == 'ckpt.pt':
-            _run['resume_iter'] = ckpt['iter_num']
+            _run['resume_iter'] = ckpt.get('iter_num')
     finally:
         _run['defer'] = False
     if _run['pending'] is not None:
@@ -399,7 +399,7 @@ def load_checkpoint(path, parts=('model', 'model_args'), check=True):
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # RuntimeError / EOFError / UnpicklingError for damaged files
-        if 'Weights only load failed' in str(e):
+        if 'Weights only load failed' in str(e) and 'GLOBAL' in str(e).upper():  # a class or function it names
             raise CheckpointError(f"checkpoint {path} holds code or classes no checkpoint holds: refused "
                                   f"(weights_only), nothing in it was run; {instead(path)}") from None
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}): the file is truncated or "

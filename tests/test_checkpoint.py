@@ -92,6 +92,28 @@ def test_a_cut_off_checkpoint_is_refused_and_the_good_one_beside_it_is_named(tmp
     assert 'instead' not in str(e.value)
 
 
+class Planted:
+    """Unpickling it would run a shell command that creates the file `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_holding_code_is_refused_as_such_and_nothing_runs(tmp_path):
+    marker = tmp_path / 'ran'
+    path = tmp_path / 'ckpt.pt'
+    checkpoint.save_checkpoint(str(path), {'model': Planted(marker), 'model_args': {}})  # sealed: it verifies
+    with pytest.raises(checkpoint.CheckpointError, match='holds code or classes no checkpoint holds') as e:
+        checkpoint.load_checkpoint(path)
+    assert 'truncated' not in str(e.value) and not marker.exists()
+    (tmp_path / 'junk.pt').write_bytes(b'not a checkpoint')  # garbage is not called code
+    with pytest.raises(checkpoint.CheckpointError, match='cannot be read'):
+        checkpoint.load_checkpoint(tmp_path / 'junk.pt')
+
+
 @pytest.mark.parametrize('tool', ['probe', 'sample'])
 def test_probe_and_sample_refuse_a_flipped_byte_with_one_line(tool, tmp_path):
     run = tmp_path / 'run'
