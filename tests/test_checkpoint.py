@@ -129,6 +129,18 @@ def test_probe_and_sample_refuse_a_flipped_byte_with_one_line(tool, tmp_path):
     assert 'does not match the sha256' in err[0] and f"use {run / 'ckpt_best.pt'} instead" in err[0], err
     assert not (tmp_path / 'p').exists()
 
+def test_a_resume_from_a_flipped_checkpoint_is_refused_naming_the_good_best_state(data_dir, tmp_path):
+    """--learning_rate=10 diverges: ckpt_best.pt is iteration 0's own file, ckpt.pt iteration 2's.
+    One byte of ckpt.pt flipped: the resume refuses in one line naming ckpt_best.pt."""
+    out = tmp_path / 'run'
+    args = [*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=4', '--eval_interval=2',
+            '--learning_rate=10', '--grad_clip=1']
+    train(*args, '--stop_iter=2')
+    assert checkpoint.load_checkpoint(out / 'ckpt_best.pt')['iter_num'] == 0
+    flip(out / 'ckpt.pt', (out / 'ckpt.pt').stat().st_size // 2)
+    one_line_error(train(*args, '--init_from=resume', check=False), f'{out}/ckpt.pt does not match the sha256',
+                   f"use {out}/ckpt_best.pt instead")
+
 # -----------------------------------------------------------------------------
 # a best state damaged mid-run
 
