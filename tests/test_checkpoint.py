@@ -218,6 +218,7 @@ def test_sigterm_says_where_a_resume_starts_and_keeps_the_checkpoint(data_dir, t
     assert not list(out.glob('*.tmp'))
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_sweep_stops_its_train_py_and_says_where_it_resumes(data_dir, tmp_path):
     """study/sweep.py (its ROOT a fake checkout whose train.py runs the real one) gets SIGTERM
     while a run trains: the run gets it too (its own line), the sweep says in one line which run
