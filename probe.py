@@ -51,12 +51,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import fast as fastpath
+from checkpoint import data_dir_for, load_model, read_meta, tokenizer_name_for  # noqa: F401 (probe.load_model)
 from probes import analysis, evals
 from probes.runs import PrefixRunner, batches, ce_sum, clean_states, device_of, flat, run_from, swap_order  # noqa: F401
-from model import GPT, GPTConfig
-from tools.untrusted import describe_load_error
-
-REPO_ROOT = Path(__file__).resolve().parent
 
 # -----------------------------------------------------------------------------
 # default token budgets per metric: (n_windows, seq_len), clipped to the model's block_size
@@ -81,87 +78,6 @@ DEFAULT_WINDOWS.update({name: a[1] for name, a in analysis.ANALYSES.items()})  #
 # -----------------------------------------------------------------------------
 # checkpoint, tokenizer and token windows
 
-def load_model(ckpt_path, device='cpu', fast=False):
-    """Loads a train.py checkpoint {'model': state_dict, 'model_args': GPTConfig fields,
-    'config': train config, 'iter_num', ...} into GPT in eval mode on `device`, with the fast
-    paths `fast` ('auto' | True | False, fast/) in place after their start-up check.
-    Returns (model, ckpt) where ckpt is the loaded dict without 'model' and optimizer state.
-    Raises FileNotFoundError for a missing file, ValueError for a truncated or foreign one and
-    fast.FastPathMismatch when a fast path disagrees with residuals.py."""
-    path = Path(ckpt_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} not found; train one with `python train.py CONFIG` "
-                                f"or give the path of an existing ckpt.pt")
-    try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:  # torch raises RuntimeError / EOFError / UnpicklingError for damaged files
-        raise ValueError(describe_load_error(e, path) or  # a file holding code is refused, and said so
-                         f"checkpoint {path} cannot be read ({type(e).__name__}); the file is truncated "
-                         f"or not a torch checkpoint: copy it again or re-save it with train.py") from None
-    if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
-        raise ValueError(f"checkpoint {path} lacks 'model' / 'model_args'; save it with train.py")
-    cfg = GPTConfig.from_dict(ckpt['model_args'])
-    with torch.device(device):  # built where it runs (fast init on a GPU; buffers computed as usual)
-        model = GPT(cfg)
-    state = {k.removeprefix('_orig_mod.'): v for k, v in ckpt['model'].items()}
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"checkpoint {path} does not match its model_args ({str(e).splitlines()[0]}); "
-                         f"was it written by a different version of model.py / residuals.py?") from None
-    model.eval()
-    fastpath.setup(model, fast, device)
-    return model, {k: v for k, v in ckpt.items() if k not in ('model', 'optimizer')}
-
-
-def data_dir_for(ckpt):
-    """The data directory of a checkpoint's training config: its data_dir if set, else
-    data/<dataset> relative to the working directory or, failing that, to the repository
-    root. None when the config names neither."""
-    config = ckpt.get('config') or {}
-    if config.get('data_dir'):
-        return Path(config['data_dir'])
-    dataset = config.get('dataset')
-    if not dataset:
-        return None
-    for root in (Path.cwd(), REPO_ROOT):
-        if (root / 'data' / dataset).is_dir():
-            return root / 'data' / dataset
-    return Path('data') / dataset
-
-
-def tokenizer_name_for(ckpt, val_bin=None):
-    """Which tokenizer a checkpoint was trained with: the one it records ('tokenizer', written by
-    train.py from its data's meta.json), else config['tokenizer'], else 'tokenizer' of the meta.json
-    beside val_bin or its data directory, else the dataset's suffix ('_byte' -> byte), else by vocab size."""
-    config = ckpt.get('config') or {}
-    if ckpt.get('tokenizer') or config.get('tokenizer'):
-        return ckpt.get('tokenizer') or config['tokenizer']
-    for meta in ([Path(val_bin).parent / 'meta.json'] if val_bin else []) + \
-                ([data_dir_for(ckpt) / 'meta.json'] if data_dir_for(ckpt) else []):
-        if meta.is_file():
-            name = _read_meta(meta).get('tokenizer')
-            if name:
-                return name
-    if str(config.get('dataset', '')).endswith('_byte') or ckpt['model_args'].get('vocab_size', 50280) <= 257:
-        return 'byte'
-    return 'gpt2'
-
-
-def _read_meta(path):
-    # a data directory's meta.json as a dict ({} when absent); ValueError when unreadable
-    path = Path(path)
-    if not path.is_file():
-        return {}
-    try:
-        meta = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): prepare the data again") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path} is not a JSON object: prepare the data again")
-    return meta
-
-
 def _same_tokenizer(a, b):
     # names of built-in tokenizers compare as names; tokenizer.json files by absolute path, and
     # two different files are not refused (a copy of one tokenizer may live anywhere)
@@ -178,9 +94,9 @@ def check_tokenizer(ckpt, vocab_size, val_bin, requested=None):
     of the checkpoint's training data is refused (ValueError), as is a `requested` (--tokenizer)
     other than the model's, and data of another vocab_size than a model that took its vocab_size
     from its data. Token ids alone cannot tell: byte ids (< 257) fit a GPT-2 model's embedding."""
-    data_meta = _read_meta(Path(val_bin).parent / 'meta.json') if val_bin else {}
+    data_meta = read_meta(Path(val_bin).parent / 'meta.json') if val_bin else {}
     own = data_dir_for(ckpt)
-    own_meta = _read_meta(own / 'meta.json') if own and (not val_bin or Path(val_bin).parent != own) else {}
+    own_meta = read_meta(own / 'meta.json') if own and (not val_bin or Path(val_bin).parent != own) else {}
     config = ckpt.get('config') or {}
     recorded = ckpt.get('tokenizer') or config.get('tokenizer')
     where = Path(val_bin).parent / 'meta.json' if val_bin else None

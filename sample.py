@@ -108,8 +108,8 @@ def main(argv):
         if g[key] < low:
             raise SystemExit(f"error: {key}={g[key]} must be >= {low}")
 
-    # the model and its tokenizer (probe.py's loader: the same checks, the same messages)
-    from probe import load_model, tokenizer_name_for
+    # the model and its tokenizer (checkpoint.py's loader: the checkpoint's sha256 verified)
+    from checkpoint import load_model, tokenizer_name_for
     from data.tokenizer import get_tokenizer
     dev = g['device']
     if dev.startswith('cuda') and not torch.cuda.is_available():

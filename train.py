@@ -20,19 +20,15 @@ $ python train.py config/attnres_L32.py --init_from=resume
 A resume takes the run's settings from its checkpoint, so the config file may be left out:
 $ python train.py --out_dir=out/main/attnres_L32 --init_from=resume
 
-Outputs in out_dir: ckpt.pt (latest checkpoint), ckpt_best.pt (the checkpoint of the lowest
-validation loss), metrics.jsonl (one JSON object per log step), summary.json (written when
-the run finishes), train.lock (held while a run writes there). docs/training.md says what a
-run keeps and how it stops on a fault.
+Outputs in out_dir: ckpt.pt (latest checkpoint), ckpt_best.pt (lowest validation loss),
+metrics.jsonl, summary.json, train.lock; checkpoint.py writes, seals and reads them, and
+docs/training.md says what a run keeps and how it stops on a fault.
 """
 
 import datetime
-import errno
 import json
 import math
 import os
-import shutil
-import signal
 import sys
 import time
 import warnings
@@ -40,16 +36,17 @@ from collections import deque
 from contextlib import nullcontext
 from dataclasses import asdict
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fast as fastpath
+from checkpoint import (MetricsLog, best_state, catch_signals, fail, full_state, load_for_resume, lock_out_dir,
+                        remove_stale_temp, save_checkpoint, write_json)
 from configurator import ConfigError, comments_from_source, configure
+from data.loader import TokenLoader, open_tokens, prepare_embedded_sample
 from model import GPT, GPTConfig, estimate_mfu
 from residuals import RESIDUALS
-from tools.untrusted import describe_load_error
 
 # -----------------------------------------------------------------------------
 # default config values: a small Pre-LN model on FineWeb-Edu
@@ -122,127 +119,9 @@ try:
                          none_types=none_default_types)
 except ConfigError as e:
     sys.exit(f"error: {e}")
-_cleanups = []  # run by fail(): undo what a failed start created (the lock, an empty out_dir)
-
-
-def fail(msg):
-    """A user error: one line, no traceback."""
-    for fn in _cleanups:
-        fn()
-    sys.exit(f"error: {msg}")
-
-
-resume_iter = None  # the iteration of out_dir/ckpt.pt, where a resume starts (None: no checkpoint yet)
-training = False  # whether the training loop has started
-_interrupt = {'defer': False, 'pending': False}  # a Ctrl-C during a checkpoint write waits for its end
-
-
-def on_interrupt(signum, frame):
-    """Ctrl-C at any moment: one line saying from which iteration a resume starts, instead of
-    a traceback. During a checkpoint write it waits until the write ends, so the line is exact."""
-    if _interrupt['defer']:
-        _interrupt['pending'] = True
-        return
-    ckpt = os.path.join(out_dir, 'ckpt.pt')
-    if eval_only:
-        msg = "interrupted (eval_only: nothing was written)"
-    elif not training:
-        for fn in _cleanups:  # undo what the start created (an out_dir holding only the lock)
-            fn()
-        msg = "interrupted before training started; " + (
-            f"nothing was changed: the same command resumes from {ckpt}" if init_from == 'resume'
-            else "no checkpoint was written: run the same command again")
-    elif resume_iter is None:
-        msg = (f"interrupted at iteration {iter_num}, before the first checkpoint: nothing to resume; "
-               f"run the same command again")
-    else:
-        lost = iter_num - resume_iter
-        msg = (f"interrupted at iteration {iter_num}; a resume (--init_from=resume) starts from iteration "
-               f"{resume_iter}, the last checkpoint ({ckpt})"
-               + (f": {lost} iteration{'s' if lost > 1 else ''} will run again" if lost > 0 else ''))
-    if int(os.environ.get('RANK', 0)) == 0:
-        print(msg, flush=True)
-    sys.exit(130)
-
-
-signal.signal(signal.SIGINT, on_interrupt)
-
-
-def lock_out_dir(out_dir):
-    """An exclusive flock on out_dir/train.lock, held until the process ends (the kernel
-    releases it on any exit, kill -9 included): two runs never write one out_dir. The file
-    names the holder's pid. Returns the open file (keep it referenced)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        return None
-    created = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, 'train.lock')
-    f = open(path, 'a+')
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        time.sleep(0.2)  # a holder that has just taken the lock writes its pid next
-        f.seek(0)
-        other = f.read().strip() or '?'
-        f.close()
-        fail(f"{out_dir} is in use by another train.py (pid {other}, holding {path}): wait for it to "
-             f"end, or use another --out_dir")
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-
-    def undo():  # a failed start leaves out_dir as it found it
-        if os.path.exists(path) and sorted(os.listdir(out_dir)) == ['train.lock']:
-            os.remove(path)
-            if created:
-                os.rmdir(out_dir)
-    _cleanups.append(undo)
-    return f
-
-
-def pid_alive(pid):
-    """Whether a process other than this one runs with that pid."""
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)  # signal 0: only checks
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    except (OverflowError, ValueError):  # no such pid can exist
-        return False
-    return True
-
-
-def remove_stale_temp(out_dir):
-    """Removes the partial files (NAME.<pid>.tmp, atomic_write's) that a process killed mid-write
-    left in out_dir, one line for those removed; a file of a process still alive is kept
-    (named in one line). Called with the lock held: no other train.py writes out_dir."""
-    removed, kept = [], []
-    for name in sorted(os.listdir(out_dir)):
-        base, _, rest = name.rpartition('.')[0].rpartition('.')
-        if not (name.endswith('.tmp') and rest.isdigit() and base in OUT_FILES):
-            continue
-        pid = int(rest)
-        if pid_alive(pid):
-            kept.append(f"{name} (pid {pid} is running)")
-        else:
-            path = os.path.join(out_dir, name)
-            removed.append(f"{name} ({os.path.getsize(path) / 1e6:,.1f} MB)")
-            os.remove(path)
-    if removed and int(os.environ.get('RANK', 0)) == 0:
-        print(f"removed {len(removed)} partial file{'s' if len(removed) > 1 else ''} that a killed run left "
-              f"mid-write in {out_dir}: {', '.join(removed)}", flush=True)
-    if kept:
-        print(f"note: kept {', '.join(kept)} in {out_dir}: remove it once that process has ended", flush=True)
-
-
-# the files a run writes in out_dir (each through atomic_write, or a hard link, via NAME.<pid>.tmp)
-OUT_FILES = ('ckpt.pt', 'ckpt_best.pt', 'ckpt_nonfinite.pt', 'metrics.jsonl', 'summary.json')
+training = False  # whether the training loop has started: a signal then names the iteration a resume starts from
+# Ctrl-C or SIGTERM at any moment: one line naming where a resume starts (checkpoint.py)
+catch_signals(out_dir, init_from, eval_only, lambda: iter_num if training else None, int(os.environ.get('RANK', 0)) == 0)
 # keys that belong to this invocation, not to the run: a resume never takes them from the checkpoint
 RUN_CONTROL_KEYS = ('out_dir', 'init_from', 'eval_only', 'stop_iter', 'device', 'compile', 'backend', 'fsdp',
                     'dist_timeout')
@@ -250,28 +129,12 @@ RUN_CONTROL_KEYS = ('out_dir', 'init_from', 'eval_only', 'stop_iter', 'device', 
 MODEL_KEYS = ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'ffn_hidden', 'residual',
               'hc_streams', 'hc_out_init_scale', 'hc_readout', 'mhc_sinkhorn_iters', 'mhc_sinkhorn', 'mhc_init',
               'attnres_blocks', 'attnres_eps')
-CHECKPOINT_PARTS = ('model', 'model_args', 'optimizer', 'iter_num', 'loader', 'rng')
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-_out_lock = None
 if int(os.environ.get('RANK', 0)) == 0 and not eval_only:  # rank 0 writes out_dir; it alone holds the lock
     _out_lock = lock_out_dir(out_dir)
-    remove_stale_temp(out_dir)
-checkpoint = None
-if init_from == 'resume':
-    if not os.path.exists(ckpt_path):
-        fail(f"init_from='resume' but {ckpt_path} does not exist: start with --init_from=scratch")
-    try:
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
-    except Exception as e:
-        fail(describe_load_error(e, ckpt_path) or  # a file holding code is refused, and said so
-             f"cannot read checkpoint {ckpt_path} (truncated or corrupt: {type(e).__name__}): "
-             f"restore a good copy{' (ckpt_best.pt may be one)' if os.path.exists(os.path.join(out_dir, 'ckpt_best.pt')) else ''}, "
-             f"or start fresh with --init_from=scratch in another --out_dir")
-    _missing = [k for k in CHECKPOINT_PARTS if not isinstance(checkpoint, dict) or k not in checkpoint]
-    if _missing:
-        fail(f"{ckpt_path} lacks {', '.join(_missing)}: not a whole train.py checkpoint; restore a good copy "
-             f"or start fresh in another --out_dir")
-    resume_iter = checkpoint['iter_num']
+    remove_stale_temp(out_dir, locked=_out_lock is not None)  # a killed run's partial files
+checkpoint = load_for_resume(out_dir) if init_from == 'resume' else None  # verified, whole
+if checkpoint is not None:
     # the run's own settings, except those this command line (or a config file) sets: a resume
     # continues the run in out_dir whatever defaults the script has now
     try:  # from_dict: a field older checkpoints lack takes the value they were trained with
@@ -412,85 +275,6 @@ autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=d
 # data: uint16 token files of data/<dataset>/prepare.py
 
 
-def open_tokens(path):
-    """A flat uint16 token file as a read-only memmap; one line for a missing, empty or
-    odd-sized (cut off, or not uint16) file."""
-    if not os.path.exists(path):
-        fail(f"{path} not found: prepare the data first, e.g. python data/fineweb_edu/prepare.py "
-             f"--input YOUR_FILES --out_dir={os.path.dirname(path)} (or --sample for the embedded sample)")
-    size = os.path.getsize(path)
-    if size == 0:
-        fail(f"{path} is empty: prepare the data again (data/<dataset>/prepare.py)")
-    if size % 2:
-        fail(f"{path} has an odd number of bytes ({size:,}): not a whole uint16 token file (cut off?); "
-             f"prepare the data again")
-    return np.memmap(path, dtype=np.uint16, mode='r')
-
-
-class TokenLoader:
-    """Concat-and-chunk over a flat uint16 token file: the stream is cut into
-    len // (T+1) chunks of T+1 tokens (x = chunk[:-1], y = chunk[1:]); each epoch visits
-    them in a permutation seeded by (seed, epoch). The job consumes the permutation in
-    order: a micro-step of the whole job takes the next world*B chunks, rank r the r-th
-    group of B, so 2 processes x 1 micro-step see exactly the batches of 1 process x 2
-    micro-steps. The state (epoch, chunks the whole job consumed in it) is saved in
-    checkpoints; it does not depend on the process count, so a resume on any number of
-    processes continues the same stream."""
-
-    def __init__(self, path, B, T, rank=0, world=1, seed=0, shuffle=True):
-        self.data = open_tokens(path)
-        self.B, self.T, self.rank, self.world, self.seed, self.shuffle = B, T, rank, world, seed, shuffle
-        self.n_chunks = len(self.data) // (T + 1)
-        if self.n_chunks < B * world:
-            fail(f"{path} has {len(self.data):,} tokens, fewer than one batch of {B * world} x {T + 1}: "
-                 f"prepare more data or lower batch_size/block_size")
-        self.epoch, self.pos, self._perm = 0, 0, None  # pos: chunks of this epoch consumed by the job
-
-    def perm(self):
-        if self._perm is None or self._perm[0] != self.epoch:
-            p = np.random.default_rng((self.seed, self.epoch)).permutation(self.n_chunks) if self.shuffle \
-                else np.arange(self.n_chunks)
-            self._perm = (self.epoch, p)
-        return self._perm[1]
-
-    def next_batch(self):
-        per_step = self.B * self.world
-        if self.pos + per_step > self.n_chunks:  # epoch exhausted: reshuffle
-            self.epoch, self.pos = self.epoch + 1, 0
-        start = self.pos + self.rank * self.B
-        ids = self.perm()[start:start + self.B]
-        self.pos += per_step
-        chunks = np.stack([self.data[i * (self.T + 1):(i + 1) * (self.T + 1)] for i in ids]).astype(np.int64)
-        xy = torch.from_numpy(chunks)  # (B, T+1)
-        x, y = xy[:, :-1], xy[:, 1:]
-        if device_type == 'cuda':  # pin, then copy asynchronously
-            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        return x.to(device), y.to(device)
-
-    def state_dict(self):
-        return {'epoch': self.epoch, 'pos': self.pos}
-
-    def load_state_dict(self, s):
-        # 'step' (micro-steps of one process): checkpoints written before the position was global
-        self.epoch, self.pos = s['epoch'], s['pos'] if 'pos' in s else s['step'] * self.B * self.world
-
-
-def prepare_embedded_sample(data_dir, tokenizer_name):
-    """Write train.bin/val.bin/meta.json to data_dir from the web-text sample shipped in
-    data/sample/ (data/fineweb_edu/prepare.py --sample), so that a fresh clone trains offline."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        'prepare', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'fineweb_edu', 'prepare.py'))
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
-    print0(f"{data_dir} has no train.bin/val.bin: preparing it from the embedded sample "
-           f"{os.path.relpath(prepare.SAMPLE)} ({tokenizer_name} tokenizer, a few seconds)")
-    try:
-        prepare.main(['--sample', f'--tokenizer={tokenizer_name}', f'--out_dir={data_dir}'])
-    except (ValueError, FileNotFoundError) as e:
-        fail(f"cannot prepare the embedded sample: {e}")
-
-
 if data_dir is None:
     data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
     # the default data of a fresh clone: prepared from the embedded sample when absent (only
@@ -499,7 +283,7 @@ if data_dir is None:
     _sample_tok = 'gpt2' if dataset == 'fineweb_edu' else dataset.removeprefix('fineweb_edu_')
     if _sample_tok in TOKENIZERS and not all(os.path.exists(os.path.join(data_dir, f)) for f in ('train.bin', 'val.bin')):
         if master:
-            prepare_embedded_sample(data_dir, _sample_tok)
+            prepare_embedded_sample(data_dir, _sample_tok, say=print0)
         if ddp:
             dist.barrier()  # the other ranks wait until rank 0 has written the files
 elif not os.path.isdir(data_dir):
@@ -516,7 +300,7 @@ if os.path.exists(meta_path):
     if not isinstance(meta, dict) or not isinstance(meta.get('vocab_size', 0), int):
         fail(f"{meta_path} is not a JSON object with an integer vocab_size: prepare the data again")
 train_path = os.path.join(data_dir, 'train.bin')
-train_loader = TokenLoader(train_path, batch_size, block_size, rank, world_size, seed)
+train_loader = TokenLoader(train_path, batch_size, block_size, rank, world_size, seed, device=device)
 val_path = os.path.join(data_dir, 'val.bin')
 if len(open_tokens(val_path)) < block_size + 1:
     fail(f"{val_path} holds fewer than block_size+1 = {block_size + 1} tokens: lower --block_size or prepare more validation data")
@@ -592,6 +376,10 @@ try:  # the fast paths that apply (fast/), each checked against residuals.py on 
 except (ValueError, fastpath.FastPathMismatch) as e:
     fail(str(e))
 print0(fastpath.describe(fast_paths))
+_ran = checkpoint.get('fast_paths') if checkpoint is not None else None  # None: not recorded
+if _ran is not None and _ran != [p.name for p in fast_paths]:  # another rounding: allowed, but said
+    print0(f"note: the fast paths ({', '.join(p.name for p in fast_paths) or 'none'}) differ from the checkpoint's "
+           f"run's ({', '.join(_ran) or 'none'}): the resumed run does not continue it bit-identically")
 
 if auto_batch and fsdp:
     fail("auto_batch=True plans an unsharded model: drop --fsdp=True, or set --batch_size yourself")
@@ -738,7 +526,7 @@ def estimate_val_loss(progress=False):
                f"{'es' if n > 1 else ''} of {B} ({B * n * block_size:,} tokens); a real run prepares FineWeb-Edu "
                f"first (docs/training.md)")
     model.eval()
-    loader = TokenLoader(val_path, B, block_size, shuffle=False)  # one stream: step k = batch k
+    loader = TokenLoader(val_path, B, block_size, shuffle=False, device=device)  # one stream: step k = batch k
     total = torch.zeros(2, device=device)
     # every rank runs as many forwards (FSDP gathers in each); disable=None: a bar on a terminal only
     for i in tqdm(range(math.ceil(n / world_size)), desc='evaluating', unit='batch', leave=False, delay=2,
@@ -756,133 +544,24 @@ def estimate_val_loss(progress=False):
     return (total[0] / total[1]).item()
 
 
-def full_state(what):
-    """State dict of the model or optimizer as plain tensors (gathered when sharded by FSDP)."""
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        if what == 'model':
-            return get_model_state_dict(raw_model, options=opts)
-        if not optimizer.state:  # nothing stepped yet (ckpt_best.pt at iteration 0): get_optimizer_state_dict
-            # would fill the state with a zero-lr AdamW step, and the first real step would count as the
-            # second (other bias corrections): the groups alone, parameters by name, as it writes them
-            names = {id(p): n for n, p in raw_model.named_parameters()}
-            return {'state': {}, 'param_groups': [dict(g, params=[names[id(p)] for p in g['params']])
-                                                  for g in optimizer.param_groups]}
-        return get_optimizer_state_dict(raw_model, optimizer, options=opts)
-    return raw_model.state_dict() if what == 'model' else optimizer.state_dict()
-
-
-def fsync_replace(tmp, path):
-    """os.replace(tmp, path) once tmp's bytes are on the disk (fsync), then fsync the
-    directory so that the rename itself survives a power loss."""
-    with open(tmp, 'rb+') as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems cannot fsync a directory
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_failed(path, e, need_bytes=None):
-    """One line for a write that failed (disk full, quota, I/O error), naming the disk and
-    the space; the last complete files are kept."""
-    d = os.path.dirname(os.path.abspath(path))
-    free = shutil.disk_usage(d).free
-    need = f", about {need_bytes / 1e6:,.1f} MB needed" if need_bytes else ''
-    full = getattr(e, 'errno', None) in (errno.ENOSPC, errno.EDQUOT) or 'No space left' in str(e) \
-        or (need_bytes is not None and free < need_bytes)  # torch's C++ writer gives no errno
-    why = 'the disk is full' if full else f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    kept = f"; {ckpt_path} (the last complete checkpoint) is kept" if os.path.exists(ckpt_path) else ''
-    fail(f"cannot write {path}: {why} ({d}: {free / 1e6:,.1f} MB free{need}): free space, or move "
-         f"--out_dir to another disk and resume{kept}")
-
-
-def atomic_write(path, write):
-    """write(tmp) writes the file at the path tmp, a temp name unique to this process beside
-    path; then fsync and rename: a crash or a full disk mid-write never leaves a truncated
-    file at path, nor a temp file behind. (torch.save is given the path, not a Python file
-    object: its C++ writer then runs no Python, so a Ctrl-C lands after the write.)"""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        write(tmp)
-        fsync_replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def write_bytes(tmp, data):
-    with open(tmp, 'wb') as f:
-        f.write(data)
-
-
-def _nbytes(obj):
-    # bytes of the tensors in a (nested) state dict: the size of its checkpoint, roughly
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
-
-
-def save_checkpoint(path, evaluated=True, best=False):
+def save(path, evaluated=True, best=False):
     """Everything needed to continue exactly: weights (of the uncompiled module, so no
     `_orig_mod.` prefixes), optimizer, model and run config, iteration, data-loader
     position and RNG states, whether the state at this iteration has been evaluated
-    (a resume then skips that evaluation) and its losses. Written atomically (atomic_write):
-    a crash or a full disk mid-write leaves the previous checkpoint whole. best: also keep
-    it as ckpt_best.pt (a hard link: no second copy on disk). A Ctrl-C waits for the end."""
-    global resume_iter
-    model_state, opt_state = full_state('model'), full_state('optimizer')  # collective under FSDP
+    (a resume then skips that evaluation) and its losses; written sealed and atomically by
+    checkpoint.save_checkpoint (best: also as ckpt_best.pt)."""
+    model_state, opt_state = full_state(raw_model, optimizer, fsdp)  # collective under FSDP
     if not master:
         return
-    _interrupt['defer'] = True
-    try:
-        _write_checkpoint(path, model_state, opt_state, evaluated, best)
-        if path == ckpt_path:
-            resume_iter = iter_num
-    finally:
-        _interrupt['defer'] = False
-    if _interrupt['pending']:
-        on_interrupt(signal.SIGINT, None)
-
-
-def _write_checkpoint(path, model_state, opt_state, evaluated, best):
     rng = {'torch': torch.get_rng_state()}
     if device_type == 'cuda':
         rng['cuda'] = torch.cuda.get_rng_state()
-    ckpt = {'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config),
-            'config': config, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'best_iter': best_iter,
-            'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated,
-            'val_loss': val_loss, 'train_loss': lossf,
-            'tokenizer': meta.get('tokenizer')}  # sample.py decodes with it (None: data without meta.json)
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    try:
-        atomic_write(path, lambda tmp: torch.save(ckpt, tmp))
-        if best:
-            best_path = os.path.join(os.path.dirname(path), 'ckpt_best.pt')
-            tmp = f"{best_path}.{os.getpid()}.tmp"
-            try:
-                os.link(path, tmp)  # the same bytes under a second name; replacing ckpt.pt later keeps them
-                os.replace(tmp, best_path)
-            except OSError:  # no hard links here: a copy
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                atomic_write(best_path, lambda t: shutil.copyfile(path, t))
-    except (OSError, RuntimeError) as e:  # torch reports a failed write as a RuntimeError
-        write_failed(path, e, _nbytes(ckpt))
+    save_checkpoint(path, {
+        'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config), 'config': config,
+        'iter_num': iter_num, 'best_val_loss': best_val_loss, 'best_iter': best_iter,
+        'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated,
+        'val_loss': val_loss, 'train_loss': lossf, 'fast_paths': [p.name for p in fast_paths],
+        'tokenizer': meta.get('tokenizer')}, best=best)  # sample.py decodes with it (None: data without meta.json)
 
 
 def block_stats(x):
@@ -905,36 +584,8 @@ def block_stats(x):
     return {'block_grad_norm': grads, 'block_act_rms': rms}
 
 
-def _row_iter(line):
-    """The 'iter' of one metrics.jsonl line; None for a line cut off by a crash mid-write."""
-    try:
-        return json.loads(line)['iter']
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-metrics_file = None
-metrics_path = os.path.join(out_dir, 'metrics.jsonl')
-if master and not eval_only and init_from == 'resume' and os.path.exists(metrics_path):
-    # rows logged after the checkpoint belong to iterations this run repeats: drop them,
-    # so each iteration has one row (written atomically: nothing lost on a crash)
-    with open(metrics_path) as f:
-        rows = [line for line in f if (it := _row_iter(line)) is not None and it <= iter_num]
-    try:
-        atomic_write(metrics_path, lambda tmp: write_bytes(tmp, ''.join(rows).encode()))
-    except OSError as e:
-        write_failed(metrics_path, e)
-elif master and not eval_only and init_from == 'scratch' and os.path.exists(metrics_path) \
-        and os.path.getsize(metrics_path):
-    # a new run where an earlier one stopped before its first checkpoint (killed, or a NaN):
-    # its rows go aside, so that metrics.jsonl never holds two runs' histories as one
-    _k = 1
-    while os.path.exists(os.path.join(out_dir, f'metrics_old{_k}.jsonl')):
-        _k += 1
-    _old = os.path.join(out_dir, f'metrics_old{_k}.jsonl')
-    os.replace(metrics_path, _old)
-    print0(f"note: {metrics_path} held the rows of an earlier run that left no checkpoint to resume: "
-           f"moved to {_old}")
+# metrics.jsonl: a resume drops the rows it repeats; a new run moves an older run's aside
+metrics_log = MetricsLog(out_dir, init_from, iter_num) if master and not eval_only else None
 wandb_run = None
 if wandb_log and master and not eval_only:
     try:
@@ -963,17 +614,9 @@ def wandb_row(row):
 
 
 def log_metrics(row):
-    """Appends one row to metrics.jsonl (created with the first row: a failed start leaves none)."""
-    global metrics_file
-    if not master or eval_only:
-        return
-    try:
-        if metrics_file is None:
-            metrics_file = open(metrics_path, 'a')
-        metrics_file.write(json.dumps(row) + '\n')
-        metrics_file.flush()
-    except OSError as e:
-        write_failed(metrics_path, e)
+    """One row to metrics.jsonl (and W&B), from rank 0."""
+    if metrics_log is not None:
+        metrics_log.write(row)
     if wandb_run is not None:
         wandb_run.log(wandb_row(row), step=row['iter'])
 
@@ -999,7 +642,7 @@ if eval_only:
 def stop_nonfinite(what):
     """A non-finite loss or gradient: keep the state for a diagnosis in ckpt_nonfinite.pt,
     never in ckpt.pt (the last good checkpoint stays), and stop with one line."""
-    save_checkpoint(os.path.join(out_dir, 'ckpt_nonfinite.pt'))
+    save(os.path.join(out_dir, 'ckpt_nonfinite.pt'))
     fail(f"{what} at iteration {iter_num}; state saved to {out_dir}/ckpt_nonfinite.pt. Lower --learning_rate "
          f"(now {learning_rate:g}) and "
          + (f"resume from the last good {ckpt_path} with --init_from=resume" if os.path.exists(ckpt_path)
@@ -1009,15 +652,7 @@ def stop_nonfinite(what):
 SPIKE_RATIO = 1.5  # warn when the validation loss exceeds this x its best so far (a divergence)
 
 
-def best_state_note():
-    """Where the run's best state is, for the lines of a run worse than its best."""
-    path = os.path.join(out_dir, 'ckpt_best.pt')
-    if not os.path.exists(path):
-        return "the best state was not kept (no ckpt_best.pt)"
-    return "the best state is in ckpt_best.pt" + (f" (iteration {best_iter})" if best_iter is not None else '')
-
-
-training = True  # a Ctrl-C from here on names the iteration a resume starts from
+training = True  # a signal from here on names the iteration a resume starts from
 model.train()
 t0 = time.time()
 val_loss = lossf = None
@@ -1042,12 +677,12 @@ while True:
             best_val_loss, best_iter = val_loss, iter_num
         log_metrics({'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'val_loss': val_loss, 'lr': lr})
         if iter_num > 0:
-            save_checkpoint(ckpt_path, best=is_best)
+            save(ckpt_path, best=is_best)
         elif is_best:  # the initial state: kept as ckpt_best.pt only (a run that gets worse keeps it)
-            save_checkpoint(os.path.join(out_dir, 'ckpt_best.pt'))
+            save(os.path.join(out_dir, 'ckpt_best.pt'))
         if val_loss > SPIKE_RATIO * best_val_loss:
             print0(f"warning: val loss {val_loss:.4f} is {val_loss / best_val_loss:.1f}x its best "
-                   f"({best_val_loss:.4f}): the run may be diverging; {best_state_note()}")
+                   f"({best_val_loss:.4f}): the run may be diverging; {best_state(out_dir, best_iter)[1]}")
         t0 = time.time()  # evaluation time is not training time
     if iter_num == max_iters:
         break
@@ -1102,27 +737,25 @@ while True:
                + depth + f" | eta {eta / 60:.1f}m")
         log_metrics(row)
     if stop_iter is not None and iter_num >= stop_iter and iter_num < max_iters:
-        save_checkpoint(ckpt_path, evaluated=False)  # a resume evaluates this state if it is due
+        save(ckpt_path, evaluated=False)  # a resume evaluates this state if it is due
         print0(f"stopped at iteration {iter_num} (stop_iter); continue with --init_from=resume")
         break
 
 if iter_num == max_iters and master:
-    best_path = os.path.join(out_dir, 'ckpt_best.pt')
-    summary = {'finished': True, 'iter': iter_num, 'max_iters': max_iters, 'val_loss': val_loss,
-               'best_val_loss': best_val_loss, 'best_iter': best_iter, 'train_loss': lossf,
-               'best_ckpt': best_path if os.path.exists(best_path) else None,
-               'n_params': n_params, 'tokens': iter_num * tokens_per_iter, 'config': config,
-               'model_args': asdict(raw_model.config)}
-    _summary_path = os.path.join(out_dir, 'summary.json')
-    try:
-        atomic_write(_summary_path, lambda tmp: write_bytes(tmp, json.dumps(summary, indent=1).encode()))
-    except OSError as e:
-        write_failed(_summary_path, e)
+    best_path, best_note = best_state(out_dir, best_iter)  # ckpt_best.pt read whole: a damaged one is never named
+    if best_path is None and best_iter is not None:
+        print0(f"warning: {best_note}")
+        best_note = "the best state was lost (the warning above)"
+    write_json(os.path.join(out_dir, 'summary.json'), {
+        'finished': True, 'iter': iter_num, 'max_iters': max_iters, 'val_loss': val_loss,
+        'best_val_loss': best_val_loss, 'best_iter': best_iter, 'train_loss': lossf, 'best_ckpt': best_path,
+        'n_params': n_params, 'tokens': iter_num * tokens_per_iter, 'config': config,
+        'model_args': asdict(raw_model.config)})
     worse = val_loss is not None and val_loss > best_val_loss
     print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens"
-           + (f" (warning: {val_loss / best_val_loss:.1f}x the best {best_val_loss:.4f}; {best_state_note()})"
+           + (f" (warning: {val_loss / best_val_loss:.1f}x the best {best_val_loss:.4f}; {best_note})"
               if worse and val_loss > SPIKE_RATIO * best_val_loss else
-              f" (the best was {best_val_loss:.4f}; {best_state_note()})" if worse else ''))
+              f" (the best was {best_val_loss:.4f}; {best_note})" if worse else ''))
 if wandb_run is not None:
     wandb_run.finish()
 shutdown()

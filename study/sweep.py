@@ -54,13 +54,15 @@ import json
 import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
-import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
+import checkpoint  # noqa: E402
 from study import families, mini  # noqa: E402
 from study.results import (_budget, _with_loss, format_summary, plot_loss_vs_ratio, plot_loss_vs_size,  # noqa: E402
-                           read_all, run_command, run_status, seeded, summarize)
+                           read_all, run_status, seeded, summarize)
 
 ROOT = families.ROOT
 OPTIONS = {  # option -> (default, help)
@@ -121,6 +123,35 @@ def format_command(cmd):
     return ' '.join(a if '$' in a and re.fullmatch(r'[-\w=$]+', a) else shlex.quote(a) for a in cmd)
 
 
+class Terminated(Exception):
+    """The sweep got SIGTERM (a scheduler's notice before it kills): its running train.py got it too."""
+
+
+_running = {'child': None, 'run': None}  # the train.py process now running, and its run
+
+
+def on_sigterm(signum, frame):
+    """SIGTERM: passed on to the running train.py (which writes no partial checkpoint and says
+    where its resume starts); run_command waits for it, then the sweep stops (main says so)."""
+    child = _running['child']
+    if child is not None and child.poll() is None:
+        child.send_signal(signal.SIGTERM)
+    raise Terminated
+
+
+def run_command(cmd, cwd):
+    """Run cmd in cwd with its output streaming to ours; return its exit status."""
+    child = subprocess.Popen(cmd, cwd=cwd)
+    _running['child'] = child
+    try:
+        return child.wait()
+    except Terminated:  # on_sigterm has passed it on: the run ends its write and says where it resumes
+        child.wait()
+        raise
+    finally:
+        _running['child'] = None
+
+
 def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_node=None, nnodes=1, root=None,
           seeds=1, seed=None):
     """
@@ -177,6 +208,7 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
             print(format_command(cmd), flush=True)
             continue
         print(f"=== {head}: {'resuming' if status == 'interrupted' else 'starting'}\n$ {format_command(cmd)}", flush=True)
+        _running['run'] = (r, root)
         rc = run_command(cmd, root)
         if rc != 0:
             failures.append((r.name, f"exit status {rc}"))
@@ -199,19 +231,8 @@ def collect(family, root=None, seeds=1):
     rows = read_all(family, root, seeds)
     path = os.path.join(root, 'out', family, 'results.json')
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    # a temporary name of this process's own (two collections at once never write one file),
-    # fsynced, then renamed over results.json: a reader sees the old file or the new one
-    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, 'x') as f:
-            json.dump(dict(family=family, runs=rows, summary=summarize(rows)), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    text = json.dumps(dict(family=family, runs=rows, summary=summarize(rows)), indent=1)
+    checkpoint.atomic_write(path, lambda tmp: checkpoint.write_bytes(tmp, text.encode()))  # a temp name per process
     n = {s: sum(r['status'] == s for r in rows) for s in ('finished', 'unfinished', 'missing')}
     n_seeds = max((sum(1 for x in rows if x['name'].split('_seed')[0] == r.name) for r in families.runs(family)),
                   default=1)
@@ -344,6 +365,9 @@ def main(argv):
     except KeyboardInterrupt:
         print("\ninterrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"terminated (SIGTERM); {resume_line()}", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     if opts['run'] == 'print' and not opts['plot_only']:
         return 0
     n_seeds = max(opts['seeds'], (opts['seed'] or 0) + 1)
@@ -376,5 +400,18 @@ def main(argv):
     return 0
 
 
+def resume_line():
+    """Where the same sweep command resumes the run it was training."""
+    if _running['run'] is None:
+        return "no run had started: run the same command again"
+    run, root = _running['run']
+    path = os.path.join(root, run.out_dir, 'ckpt.pt')
+    it = checkpoint.iteration_of(path)
+    if it is None:
+        return f"{run.name} left no checkpoint: the same command starts it again"
+    return f"the same command resumes {run.name} from iteration {it} ({os.path.join(run.out_dir, 'ckpt.pt')})"
+
+
 if __name__ == '__main__':
+    signal.signal(signal.SIGTERM, on_sigterm)
     sys.exit(main(sys.argv[1:]))

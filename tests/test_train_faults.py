@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from data.loader import TokenLoader, open_tokens
 from test_train import TINY, data_dir, metrics, one_line_error, train, train_losses  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -369,7 +370,7 @@ def chunks_of(loader, n):
 def test_loader_rank_offset_splits_each_micro_step_between_processes(tokens):
     """Rank r of 2 takes the r-th half of the job's micro-step: together the two ranks see the
     chunks one process sees in two micro-steps, in the same order, over an epoch boundary."""
-    TL = train_defs('open_tokens', 'TokenLoader')['TokenLoader']
+    TL = TokenLoader
     one = chunks_of(TL(tokens, 2, 3, rank=0, world=1, seed=5), 40)  # 64 chunks: 32 steps an epoch
     r0 = chunks_of(TL(tokens, 2, 3, rank=0, world=2, seed=5), 20)
     r1 = chunks_of(TL(tokens, 2, 3, rank=1, world=2, seed=5), 20)
@@ -381,7 +382,7 @@ def test_loader_rank_offset_splits_each_micro_step_between_processes(tokens):
 def test_loader_position_resumes_on_another_process_count(tokens):
     """A state saved by 1 process after 3 micro-steps, loaded by 2 (or the other way round):
     the job continues with exactly the chunks an uninterrupted single process sees next."""
-    TL = train_defs('open_tokens', 'TokenLoader')['TokenLoader']
+    TL = TokenLoader
     ref = chunks_of(TL(tokens, 2, 3, world=1, seed=1), 14)
     single = TL(tokens, 2, 3, world=1, seed=1)
     chunks_of(single, 4)
@@ -397,7 +398,6 @@ def test_loader_position_resumes_on_another_process_count(tokens):
 
 
 def test_empty_or_odd_token_files_are_refused(tmp_path):
-    open_tokens = train_defs('open_tokens')['open_tokens']
     (tmp_path / 'e.bin').write_bytes(b'')
     (tmp_path / 'o.bin').write_bytes(b'abc')
     with pytest.raises(SystemExit, match='is empty'):
