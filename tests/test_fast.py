@@ -506,3 +506,19 @@ def test_the_cuda_kernel_is_preferred_where_two_paths_apply(residual, cfg_kw, na
     model = make(residual, **cfg_kw)
     assert [p.name for p in fast.select(model, 'cuda')] == names
     assert all(not p.cuda_only for p in fast.select(model, 'cpu'))
+
+
+def test_fla_launch_configs_are_pinned(tmp_path, monkeypatch):
+    """fla-core's three attnres kernels each have a launch config in fast/fla_configs/default in
+    the form fla 0.6 reads (with Triton >= 3.5.1: kwargs, num_warps, num_stages, num_ctas), so
+    its autotuner never runs; a device's own folder wins where measured."""
+    from fast import attnres
+    for k in attnres.FLA_KERNELS:
+        cfg = json.loads((attnres.FLA_CONFIGS / 'default' / f'{k}.json').read_text())
+        assert cfg['kernel_name'] == k
+        assert set(cfg['default_config']) == {'kwargs', 'num_warps', 'num_stages', 'num_ctas'}
+    assert sorted(p.stem for p in (attnres.FLA_CONFIGS / 'default').glob('*.json')) == sorted(attnres.FLA_KERNELS)
+    assert attnres.fla_config_dir('NVIDIA H200') == attnres.FLA_CONFIGS / 'default'
+    monkeypatch.setattr(attnres, 'FLA_CONFIGS', tmp_path)
+    (tmp_path / 'NVIDIA_H200').mkdir()
+    assert attnres.fla_config_dir('NVIDIA H200') == tmp_path / 'NVIDIA_H200'
