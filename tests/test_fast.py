@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -210,6 +211,36 @@ def test_moda_sdpa_bf16_corrects_the_rounded_shift():
     plain = err(residuals.MoDA.attention)   # 0.0028 (measured)
     assert plain < 0.004
     assert err(sdpa_attention) < 1.1 * plain
+
+
+class Outputs(TorchDispatchMode):
+    """Records (dtype, numel) of every tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += [(t.dtype, t.numel()) for t in (out if isinstance(out, (tuple, list)) else [out])
+                      if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_moda_sdpa_makes_no_fp32_copy_of_the_depth_slots():
+    """Under bf16 autocast the fast path makes no fp32 tensor as large as the depth keys
+    (B, H_kv, T, S, hd), forward or backward: it reads them in bf16, as the plain code does."""
+    from fast.moda import sdpa_attention
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, generator=g).bfloat16().requires_grad_()
+    k, v = [torch.randn(2, 2, 16, 8, generator=g).bfloat16().requires_grad_() for _ in range(2)]
+    dk, dv = [torch.randn(2, 2, 16, 6, 8, generator=g).bfloat16().requires_grad_() for _ in range(2)]
+    with Outputs() as mode:
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            y = sdpa_attention(None, q, k, v, dk, dv)
+        y.float().sum().backward()
+    assert not [n for dtype, n in mode.made if dtype == torch.float32 and n >= dk.numel()]
+    assert dk.grad.dtype == torch.bfloat16
 
 
 # -----------------------------------------------------------------------------
