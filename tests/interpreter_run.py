@@ -19,6 +19,7 @@ pins), both about what compiled Triton does and the interpreter does not:
 """
 
 import ast
+import dataclasses
 import json
 import os
 import sys
@@ -126,8 +127,27 @@ def case_liger_write():
                    (H, Mx, w, y), [H, Mx, w, y])
 
 
+def case_guard_bf16():
+    """fast.check_autocast, the start-up guard under bf16 autocast, given each CUDA kernel path on
+    its scheme's twin: {scheme/path: None if accepted, else the refusal}; and fla's path without
+    its declared rounding (in_run_dtype), which the guard must refuse."""
+    out = {}
+    kernels = {p.name: p for p in fast.FAST_PATHS if p.cuda_only}
+    plan = [('attnres', 'attnres_read_fla'), ('blockattnres', 'attnres_read_fla'), ('mhc', 'streams_read_liger'),
+            ('mhc', 'streams_write_liger'), ('attnres', 'undeclared')]  # liger_mhc_coeffs: fp32, and slow here
+    for residual, name in plan:
+        path = kernels.get(name) or dataclasses.replace(kernels['attnres_read_fla'], in_run_dtype=False)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=D, n_head=4, residual=residual))
+        try:
+            fast.check_autocast(model, [path], 'cpu', torch.bfloat16)
+            out[f'{residual}/{name}'] = None
+        except fast.FastPathMismatch as e:
+            out[f'{residual}/{name}'] = str(e)
+    return out, []
+
+
 CASES = {'fla_read': case_fla_read, 'fla_read_2': lambda: case_fla_read(2), 'liger_coefficients': case_liger_coefficients,
-         'liger_read': case_liger_read, 'liger_write': case_liger_write}
+         'liger_read': case_liger_read, 'liger_write': case_liger_write, 'guard_bf16': case_guard_bf16}
 
 if __name__ == '__main__':
     torch.set_num_threads(1)

@@ -52,14 +52,19 @@ CASES = {  # case: (outputs, gradients) compared
 
 
 def test_kernels_match_the_plain_methods():
-    """One process for all cases (importing triton and interpreting the first launch dominate)."""
+    """One process for all cases (importing triton and interpreting the first launch dominate);
+    then the start-up guard under bf16 autocast given each kernel: none refused, and fla's bf16
+    output refused when its rounding is not declared."""
     env = dict(os.environ, TRITON_INTERPRET='1', OMP_NUM_THREADS='1',
                PYTHONPATH=os.pathsep.join(p for p in (PATH, str(REPO), os.environ.get('PYTHONPATH')) if p))
     r = subprocess.run([sys.executable, str(REPO / 'tests' / 'interpreter_run.py')], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row['case']: row for row in map(json.loads, filter(lambda ln: ln.startswith('{'), r.stdout.splitlines()))}
-    assert set(rows) == set(CASES)
+    assert set(rows) == set(CASES) | {'guard_bf16'}
+    guard = rows['guard_bf16']['outputs']  # the guard under bf16 autocast: accepts every kernel as it is
+    assert {k: v for k, v in guard.items() if k != 'attnres/undeclared' and v is not None} == {}
+    assert len(guard) == 5 and 'output 0 is' in guard['attnres/undeclared']  # fla's bf16 output, undeclared
     for case, (n_outputs, n_grads) in CASES.items():
         row = rows[case]
         assert len(row['outputs']) == n_outputs and len(row['grads']) == n_grads, case
