@@ -154,8 +154,8 @@ def check(model, paths, device, dtype=None):
     that autocast (`check_autocast`). Raises FastPathMismatch naming the fast path and the
     plain method otherwise."""
     device = torch.device(device)
-    dtype_, tol = (torch.float64, 1e-9) if device.type == 'cpu' else (torch.float32, 2e-3)
-    twin = GPT(twin_config(model.config)).to(device=device, dtype=dtype_)
+    twin_dtype, tol = (torch.float64, 1e-9) if device.type == 'cpu' else (torch.float32, 2e-3)
+    twin = GPT(twin_config(model.config)).to(device=device, dtype=twin_dtype)
     randomise(twin)
     idx = torch.randint(0, twin.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
     plain = _run(twin, idx)
