@@ -372,7 +372,7 @@ model.to(device)
 raw_model = model  # the unwrapped module: what checkpoints and probes see
 n_params = model.num_params()
 try:  # the fast paths that apply (fast/), each checked against residuals.py on a tiny twin first
-    fast_paths = fastpath.setup(raw_model, fast, device)
+    fast_paths = fastpath.setup(raw_model, fast, device, dtype=ptdtype)
 except (ValueError, fastpath.FastPathMismatch) as e:
     fail(str(e))
 print0(fastpath.describe(fast_paths))

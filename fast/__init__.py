@@ -3,8 +3,11 @@ Fast paths: drop-in replacements for plain pieces of residuals.py, same inputs a
 behind one setting, `fast` = 'auto' | True | False ('auto': on for CUDA, off on the CPU), in
 train.py, probe.py, sample.py and bench.py. Off, the plain code of residuals.py is all that
 runs. On, each fast path below that applies replaces its plain method on the model's scheme,
-after `check` has run a tiny twin of the model once plain and once fast: a student's edit
-to residuals.py that a fast path would hide stops the run at start-up, in one line.
+after `check` has run a tiny twin of the model once plain and once fast (fp64 on the CPU,
+fp32 on CUDA) and, under the run's bf16 / fp16 autocast, held each fast path against the
+plain method's own rounding: a student's edit to residuals.py that a fast path would hide,
+or a fast path that rounds where the plain code does not, stops the run at start-up, in one
+line.
 
 | fast path          | replaces (residuals.py)                 | applies            | runs                                  |
 |--------------------|-----------------------------------------|--------------------|---------------------------------------|
@@ -28,10 +31,11 @@ each read plain and fast; docs/gpu.md); fla-core's and Liger's are the kernels t
 trains with.
 
     import fast
-    paths = fast.setup(model, 'auto', device)   # -> the FastPaths in use (checked), [] when off
+    paths = fast.setup(model, 'auto', device, dtype=torch.bfloat16)  # -> the FastPaths in use (checked), [] when off
 """
 
 import ast
+import copy
 import importlib.util
 import inspect
 import textwrap
@@ -39,6 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import residuals
 from fast import attnres, moda, streams
@@ -55,11 +60,12 @@ class FastPath:
     cuda_only: bool = False
     package: str | None = None   # a module it needs ('fla', 'liger_kernel')
     applies: Callable = lambda cfg: True  # the scheme options it maps exactly
+    in_run_dtype: bool = False   # reads and writes in the run's autocast dtype: a declared rounding (check_autocast)
 
 
 FAST_PATHS = [
     FastPath('attnres_read_fla', residuals.AttnRes, 'read', attnres.fla_read, 'fla fused_attnres',
-             cuda_only=True, package='fla'),
+             cuda_only=True, package='fla', in_run_dtype=True),
     FastPath('attnres_read_torch', residuals.AttnRes, 'read', attnres.torch_read, 'DepthRead (torch)'),
     FastPath('mhc_coeffs_liger', residuals.MHC, 'coefficients', streams.liger_coefficients, 'liger_mhc_coeffs',
              cuda_only=True, package='liger_kernel', applies=lambda cfg: cfg.mhc_sinkhorn == 'liger'),
@@ -170,15 +176,16 @@ def plain_code(path):
     return found
 
 
-def check(model, paths, device):
+def check(model, paths, device, dtype=None):
     """The start-up guard: a twin of `model` (`twin_config`, random weights; fp64 on the CPU,
     fp32 on CUDA) runs a training step plain and then with each fast path alone; logits and
-    every gradient must agree to 1e-9 relative (fp64) or 2e-3 (fp32). Raises
-    FastPathMismatch naming the fast path and the plain code it replaces (`plain_code`)
-    otherwise."""
+    every gradient must agree to 1e-9 relative (fp64) or 2e-3 (fp32). With `dtype` bf16 or
+    fp16 (the run's autocast) each fast path is then also held against the plain method under
+    that autocast (`check_autocast`). Raises FastPathMismatch naming the fast path and the
+    plain code it replaces (`plain_code`) otherwise."""
     device = torch.device(device)
-    dtype, tol = (torch.float64, 1e-9) if device.type == 'cpu' else (torch.float32, 2e-3)
-    twin = GPT(twin_config(model.config)).to(device=device, dtype=dtype)
+    twin_dtype, tol = (torch.float64, 1e-9) if device.type == 'cpu' else (torch.float32, 2e-3)
+    twin = GPT(twin_config(model.config)).to(device=device, dtype=twin_dtype)
     randomise(twin)
     idx = torch.randint(0, twin.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
     plain = _run(twin, idx)
@@ -203,16 +210,143 @@ def check(model, paths, device):
                     f"fast path {p.name} ({p.runs}) disagrees with residuals.{p.scheme.__name__}.{p.method} "
                     f"on the start-up twin ({n}: relative error {err:.1e} > {tol:.0e}); if you edited any of "
                     f"{code} in residuals.py, run with --fast=False so that your code is what runs")
+    if dtype in LOW_PRECISION:
+        check_autocast(model, paths, device, dtype)
 
 
-def setup(model, setting, device, guard=True):
+# ---- the guard under the run's autocast ----------------------------------------
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+AUTOCAST_FACTOR, AUTOCAST_FLOOR = 3.0, 1e-5  # fast error <= 3 x plain's own + 1e-5 (relative, to fp64)
+# the ops whose rounding decides a softmax or a norm: what the plain code keeps in fp32 under autocast
+NORMALISERS = frozenset({'_softmax', '_log_softmax', 'logsumexp', 'exp', 'expm1', 'log', 'log1p', 'rsqrt', 'sqrt',
+                         'reciprocal', 'sigmoid', 'rms_norm', '_fused_rms_norm', '_softmax_backward_data',
+                         '_log_softmax_backward_data', 'sigmoid_backward'})
+
+
+class LowPrecisionOps(TorchDispatchMode):
+    """Records the NORMALISERS that run on a bf16 / fp16 tensor (after autocast's casts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in NORMALISERS and any(isinstance(a, torch.Tensor) and a.dtype in LOW_PRECISION for a in args):
+            self.ops.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _calls(twin, method, idx, dtype):
+    """[(args, autocast on)] of every call of the plain `method` in a forward of `twin` under
+    `dtype` autocast: the inputs the model hands it, and whether autocast was on inside."""
+    res, kind = twin.residual, idx.device.type
+    plain, calls = getattr(type(res), method), []
+
+    def record(self, *args):
+        calls.append((args, torch.is_autocast_enabled(kind)))
+        return plain(self, *args)
+    setattr(res, method, record.__get__(res))
+    try:
+        with torch.no_grad(), torch.autocast(kind, dtype=dtype):
+            twin(idx, idx)
+    finally:
+        res.__dict__.pop(method, None)
+    return calls
+
+
+def _replay(fn, res, args, on, dtype, to=None, modules=None):
+    """fn(res, *args) under `dtype` autocast (if `on`) on fresh leaves of args (float tensors cast
+    to `to`; submodules of the twin's scheme mapped through `modules`), gradient of a fixed random
+    weighting of its first output (what training reads) -> (outputs, gradients of the tensor
+    inputs and of res's parameters (None: unused), normalisers run in low precision)."""
+    leaves = []
+
+    def leaf(a):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            leaves.append(a.detach().to(to or a.dtype).requires_grad_())
+            return leaves[-1]
+        if isinstance(a, (list, tuple)):
+            return type(a)(leaf(b) for b in a)
+        return modules.get(id(a), a) if modules and isinstance(a, torch.nn.Module) else a
+    args = [leaf(a) for a in args]
+    params = list(res.parameters())
+    with LowPrecisionOps() as ops:
+        with torch.autocast(leaves[0].device.type, dtype=dtype, enabled=on):
+            out = fn(res, *args)
+        out = list(out) if isinstance(out, tuple) else [out]
+        g = torch.Generator().manual_seed(2)
+        w = torch.randn(out[0].shape, generator=g, dtype=torch.float64).to(out[0].device)
+        grads = torch.autograd.grad((out[0].double() * w).sum(), leaves + params, allow_unused=True)
+    return [o.detach() for o in out], list(grads), ops.ops
+
+
+def check_autocast(model, paths, device, dtype):
+    """Each fast path against its plain method under the run's autocast `dtype`, on the inputs
+    the start-up twin (fp32 weights, `dtype` autocast) hands the plain method: every output and
+    every gradient of the fast path must be within 3x the plain method's own distance to an fp64
+    reference (+ 1e-5), relative (summed over the calls), and the fast path may run no
+    softmax, exp, log or norm (NORMALISERS) in `dtype` that the plain method does not. A fast
+    path that rounds where the plain code does not is refused: FastPathMismatch. A path
+    declared `in_run_dtype` (fla's kernel: one dtype for all sources and its output) is given
+    the plain method's inputs and outputs rounded to `dtype` and one ulp of `dtype` beside the
+    3x (its fp32 exactness is the fp32 twin's to check)."""
+    device = torch.device(device)
+    twin = GPT(twin_config(model.config)).to(device=device, dtype=torch.float32)
+    randomise(twin)
+    res = twin.residual
+    ref = copy.deepcopy(res).to(torch.float64)
+    modules = {id(m): ref.get_submodule(n) for n, m in res.named_modules()}
+    idx = torch.randint(0, twin.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    low = str(dtype).removeprefix('torch.')
+    for p in paths:
+        plain = getattr(type(res), p.method)
+        where = f"fast path {p.name} ({p.runs}) against residuals.{p.scheme.__name__}.{p.method} under {low} autocast"
+        sums = {}
+        for args, on in _calls(twin, p.method, idx, dtype):
+            if p.in_run_dtype:  # its declared rounding: the plain method and fp64 read the same inputs
+                args = [[t.to(dtype) for t in a] if isinstance(a, (list, tuple)) else
+                        a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+            want_out, want_grads, _ = _replay(plain, ref, args, False, dtype, torch.float64, modules)
+            base_out, base_grads, base_ops = _replay(plain, res, args, on, dtype)
+            if p.in_run_dtype:  # and the plain method's outputs are rounded as the fast path's are
+                base_out = [o.to(dtype).to(o.dtype) for o in base_out]
+            have_out, have_grads, have_ops = _replay(p.impl, res, args, on, dtype)
+            extra = sorted(have_ops - base_ops)
+            if extra:
+                raise FastPathMismatch(f"{where}: runs {', '.join(extra)} in {low} where the plain method does not; "
+                                       f"run with --fast=False or --dtype=float32")
+            named = [(f"output {i}", t) for i, t in enumerate(zip(want_out, base_out, have_out))] + \
+                    [(f"gradient {i}", t) for i, t in enumerate(zip(want_grads, base_grads, have_grads))]
+            for name, (want, base, have) in named:
+                if (base is None) != (have is None):
+                    raise FastPathMismatch(f"{where}: {name} is computed by one form only; run with --fast=False")
+                if want is None or base is None:
+                    continue
+                want = want.double()
+                e = sums.setdefault(name, [0.0, 0.0, 0.0])
+                e[0] += (have.double() - want).square().sum().item()
+                e[1] += (base.double() - want).square().sum().item()
+                e[2] += want.square().sum().item()
+        floor = torch.finfo(dtype).eps if p.in_run_dtype else AUTOCAST_FLOOR
+        for name, (e_fast, e_plain, norm) in sums.items():
+            fast_err, plain_err = (e_fast / max(norm, 1e-300)) ** 0.5, (e_plain / max(norm, 1e-300)) ** 0.5
+            if not fast_err <= AUTOCAST_FACTOR * plain_err + floor:
+                raise FastPathMismatch(
+                    f"{where}: {name} is {fast_err:.1e} from fp64 where the plain method is {plain_err:.1e} "
+                    f"(allowed {AUTOCAST_FACTOR:g}x + {floor:.0e}); run with --fast=False or --dtype=float32")
+
+
+def setup(model, setting, device, guard=True, dtype=None):
     """Resolves `setting` for `device`, puts the fast paths that apply in place (after the
-    start-up `check` unless guard=False) and returns them ([] when off)."""
+    start-up `check`, under the run's autocast `dtype` too when it is bf16 / fp16, unless
+    guard=False) and returns them ([] when off)."""
     if not resolve(setting, device):
         return []
     paths = select(model, device)
     if guard and paths:
-        check(model, paths, device)
+        check(model, paths, device, dtype)
     enable(model, paths)
     return paths
 

@@ -10,16 +10,56 @@ z = sum_i a_i v_i, a = softmax_i(w . RMSNorm_key(v_i)) over n sources (B, T, d).
   keeps for the plain form. Any device.
 """
 
+import inspect
+import os
+import re
+from pathlib import Path
+
 import torch
 
 from residuals import no_autocast
+
+# fla-core's three attnres kernels take their launch configs from here, never from Triton's
+# autotuner (which would time every variant, serially, at the first call's shape: minutes on a
+# fresh GPU, and at the memory planner's toy shapes). fla_configs/<GPU name>/ where measured,
+# else fla_configs/default/ (docs/gpu.md); a user's own FLA_CONFIG_DIR / FLA_CACHE_MODE win.
+FLA_CONFIGS = Path(__file__).with_name('fla_configs')
+FLA_KERNELS = ('attnres_fwd_kernel', 'attnres_bwd_kernel_dv', 'attnres_bwd_kernel_dqdw')
+
+
+def fla_config_dir(device_name=None):
+    """fla_configs/<device name as fla spells it> if measured there, else fla_configs/default."""
+    if device_name is None and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name()
+    name = re.sub(r'[^0-9A-Za-z]+', '_', device_name or '').strip('_')
+    return FLA_CONFIGS / name if name and (FLA_CONFIGS / name).is_dir() else FLA_CONFIGS / 'default'
+
+
+def fla_kernel():
+    """fla.ops.attnres.fused_attnres, with its launch configs pinned (FLA_CONFIGS). Under Triton's
+    interpreter (TRITON_INTERPRET=1: the kernels on CPU tensors, for tests) one narrow shim:
+    fla_core 0.6.0 refuses non-CUDA tensors before its launch; that check is taken out."""
+    user_mode = 'FLA_CACHE_MODE' in os.environ
+    os.environ.setdefault('FLA_CACHE_MODE', 'full')   # exact key, then any key, then default_config
+    os.environ.setdefault('FLA_CONFIG_DIR', str(fla_config_dir()))
+    from fla.ops.attnres import fused, fused_attnres
+    from fla.ops.utils import cache
+    if not user_mode and cache.FLA_CACHE_MODE is cache.FlaCacheMode.DISABLED:  # fla imported before us
+        cache.FLA_CACHE_MODE = cache.FlaCacheMode.FULL
+    if os.environ.get('TRITON_INTERPRET') == '1' and not getattr(fused, 'interpreted', False):
+        src = inspect.getsource(fused.fused_attnres_fwd)
+        check = '    if not residuals[0].is_cuda:\n        raise ValueError("Triton attnres requires CUDA tensors")\n'
+        assert check in src, "fla_core's CUDA check moved: update fast/attnres.py's interpreter shim"
+        exec(compile(src.replace(check, ''), fused.__file__, 'exec'), fused.__dict__)
+        fused.interpreted = True
+    return fused_attnres
 
 
 def fla_read(self, sources, mixer):
     """AttnRes.read on fla-core's kernel. The kernel takes sources of one dtype: under bf16
     autocast the fp32 embedding (and Block AttnRes's fp32 sums) are read in the sublayer
     outputs' dtype, as the study keeps every source in bf16. z is returned in fp32."""
-    from fla.ops.attnres import fused_attnres
+    fused_attnres = fla_kernel()
     dtype = min((v.dtype for v in sources), key=lambda t: t.itemsize)
     z, a = fused_attnres(mixer.query, [v.to(dtype) for v in sources], mixer.key_norm.weight,
                          rms_eps=mixer.key_norm.eps, return_weights=True)

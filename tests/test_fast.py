@@ -10,6 +10,7 @@ package.
 """
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -185,21 +187,62 @@ def test_torch_sinkhorn_matches_the_plain_one(order, eps, iters):
     torch.testing.assert_close(gh, gw, rtol=1e-10, atol=1e-12)
 
 
-def test_moda_sdpa_bf16_error_does_not_grow_with_the_depth_scores():
-    """Large depth scores keep the null-key form's bf16 error near plain bf16 attention's: it
-    carries the -lse shift in q's dtype and corrects the shift's rounding (uncorrected: ~0.8%)."""
+def test_moda_sdpa_bf16_corrects_the_rounded_shift():
+    """Under bf16 autocast, on scores that bf16 holds exactly (small integers, hd = 16) and large
+    enough (up to ~16) that lse rounds coarsely, with depth and sequence weights of one size:
+    the null-key form is as close to fp64 as the plain code (both round only q / sqrt(hd) and
+    the output). Without the shift's rounding correction, or with lse in bf16: 1.6x the error."""
     from fast.moda import sdpa_attention
     g = torch.Generator().manual_seed(0)
-    Bq, H, Hkv, Tq, hd, Sq, sc = 2, 4, 2, 64, 16, 4, 10.0
-    q = sc * torch.randn(Bq, H, Tq, hd, generator=g)
-    k = sc * torch.randn(Bq, Hkv, Tq, hd, generator=g)
-    v = torch.randn(Bq, Hkv, Tq, hd, generator=g)
-    dk = 0.5 * q.view(Bq, Hkv, 2, Tq, hd)[:, :, 0].unsqueeze(3) + torch.randn(Bq, Hkv, Tq, Sq, hd, generator=g)
-    dv = torch.randn(Bq, Hkv, Tq, Sq, hd, generator=g)
+    Bq, H, Hkv, Tq, hd, Sq = 2, 4, 2, 64, 16, 6
+
+    def ints(*shape):
+        return torch.randint(-2, 3, shape, generator=g).float()
+    q = ints(Bq, H, Tq, hd)
+    own = q.view(Bq, Hkv, 2, Tq, hd)[:, :, 0]            # a query's own key and depth keys score high
+    k, dk = ints(Bq, Hkv, Tq, hd) + own, ints(Bq, Hkv, Tq, Sq, hd) + own.unsqueeze(3)
+    v, dv = torch.randn(Bq, Hkv, Tq, hd, generator=g), torch.randn(Bq, Hkv, Tq, Sq, hd, generator=g)
     bf = [t.bfloat16() for t in (q, k, v, dk, dv)]
     ref = residuals.MoDA.attention(None, *[t.double() for t in bf])
-    y = sdpa_attention(None, *bf).double()
-    assert ((y - ref).norm() / ref.norm()) < 0.002  # plain bf16 SDPA here: 0.0006
+
+    def err(fn):
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            y = fn(None, *bf)
+        assert y.dtype == torch.bfloat16
+        return ((y.double() - ref).norm() / ref.norm()).item()
+    plain = err(residuals.MoDA.attention)   # 0.0028 (measured)
+    assert plain < 0.004
+    assert err(sdpa_attention) < 1.1 * plain
+
+
+class Outputs(TorchDispatchMode):
+    """Records (dtype, numel) of every tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += [(t.dtype, t.numel()) for t in (out if isinstance(out, (tuple, list)) else [out])
+                      if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_moda_sdpa_makes_no_fp32_copy_of_the_depth_slots():
+    """Under bf16 autocast the fast path makes no fp32 tensor as large as the depth keys
+    (B, H_kv, T, S, hd), forward or backward: it reads them in bf16, as the plain code does."""
+    from fast.moda import sdpa_attention
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, generator=g).bfloat16().requires_grad_()
+    k, v = [torch.randn(2, 2, 16, 8, generator=g).bfloat16().requires_grad_() for _ in range(2)]
+    dk, dv = [torch.randn(2, 2, 16, 6, 8, generator=g).bfloat16().requires_grad_() for _ in range(2)]
+    with Outputs() as mode:
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            y = sdpa_attention(None, q, k, v, dk, dv)
+        y.float().sum().backward()
+    assert not [n for dtype, n in mode.made if dtype == torch.float32 and n >= dk.numel()]
+    assert dk.grad.dtype == torch.bfloat16
 
 
 # -----------------------------------------------------------------------------
@@ -372,3 +415,149 @@ def test_train_refuses_an_edited_read_with_fast_on(data_dir, tmp_path):
     assert len(edited) == len(base) == 4
     assert edited[0] == pytest.approx(base[0], abs=1e-6)  # zero queries at init: the temperature has no effect yet
     assert abs(edited[-1] - base[-1]) > 1e-4
+
+
+# -----------------------------------------------------------------------------
+# the guard's own faults: each test plants a fast path the guard must refuse
+
+def planted(name, method, impl, scheme=residuals.AttnRes):
+    return fast.FastPath(name, scheme, method, impl, 'planted')
+
+
+def read_scaled(self, sources, mixer):
+    """AttnRes.read with z off by 1e-4 relative: inside fp32's reach, far outside fp64's."""
+    z, a = residuals.AttnRes.read(self, sources, mixer)
+    return z * (1 + 1e-4), a
+
+
+class GradScaled(torch.autograd.Function):
+    """Identity forward; the gradient times 1.01."""
+
+    @staticmethod
+    def forward(ctx, z):
+        return z.view_as(z)
+
+    @staticmethod
+    def backward(ctx, g):
+        return 1.01 * g
+
+
+def read_backward_wrong(self, sources, mixer):
+    """AttnRes.read with the exact forward and a gradient 1% too large."""
+    z, a = residuals.AttnRes.read(self, sources, mixer)
+    return GradScaled.apply(z), a
+
+
+def read_rounded_under_autocast(self, sources, mixer):
+    """DepthRead, z rounded to bf16 whenever autocast is on: exact in fp64 and fp32."""
+    from fast.attnres import torch_read
+    z, a = torch_read(self, sources, mixer)
+    return (z.bfloat16().float() if torch.is_autocast_enabled(z.device.type) else z), a
+
+
+def moda_bf16_softmax(self, q, k, v, depth_k, depth_v):
+    """MoDA.attention on SDPA with the depth scores' lse and softmax in q's dtype (bf16 under
+    autocast, where the plain code takes its softmax in fp32) and the rounded shift uncorrected."""
+    B, H, T, hd = q.shape
+    Hkv, scale = k.size(1), hd ** -0.5
+    d = torch.einsum('bkgtd,bktsd->bkgts', q.view(B, Hkv, H // Hkv, T, hd), depth_k) * scale
+    lse = torch.logsumexp(d, dim=-1).reshape(B, H, T)                               # bf16
+    y_dep = torch.einsum('bkgts,bktsd->bkgtd', torch.softmax(d, dim=-1), depth_v).reshape(B, H, T, hd)
+    q1 = F.pad(torch.cat((q, (-lse / scale).to(q.dtype).unsqueeze(-1)), dim=-1), (0, 0, 1, 0))
+    k1 = F.pad(torch.cat((k, k.new_ones(B, Hkv, T, 1)), dim=-1), (0, 0, 1, 0))
+    v1 = F.pad(v, (0, 1, 1, 0)) + F.pad(v.new_ones(1, 1, 1, 1), (hd, 0, 0, T))
+    o = F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, scale=scale, enable_gqa=H != Hkv)[:, :, 1:]
+    return (o[..., :hd] + o[..., hd:] * y_dep).to(q.dtype)
+
+
+def test_the_guard_refuses_an_error_of_1e_4():
+    """fp64 twin: a read 1e-4 off is refused (the tolerance is 1e-9, not 1e-3)."""
+    with pytest.raises(fast.FastPathMismatch, match=r'planted_scaled .*relative error .* > 1e-09'):
+        fast.check(make('attnres'), [planted('planted_scaled', 'read', read_scaled)], 'cpu')
+
+
+def test_the_guard_refuses_a_wrong_backward():
+    """The forward exact, the gradient 1% off: refused on a gradient, not on the logits."""
+    with pytest.raises(fast.FastPathMismatch) as e:
+        fast.check(make('attnres'), [planted('planted_backward', 'read', read_backward_wrong)], 'cpu')
+    assert 'planted_backward' in str(e.value) and '(logits:' not in str(e.value)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_the_guard_refuses_rounding_the_plain_code_does_not_do(dtype):
+    """Under the run's autocast: a read that rounds its output (the plain read keeps fp32) and a
+    MoDA attention whose depth softmax runs in bf16 are refused, each in one line; both pass the
+    fp64 twin, and the real fast paths pass under the same autocast."""
+    model = make('attnres')
+    bad = planted('planted_round', 'read', read_rounded_under_autocast)
+    fast.check(model, [bad], 'cpu')                          # fp64: exact
+    with pytest.raises(fast.FastPathMismatch, match=r'planted_round .* autocast: output 0 is .* from fp64'):
+        fast.check(model, [bad], 'cpu', torch.bfloat16)
+    model = make('moda')
+    bad = planted('planted_moda', 'attention', moda_bf16_softmax, residuals.MoDA)
+    fast.check(model, [bad], 'cpu')
+    with pytest.raises(fast.FastPathMismatch) as e:
+        fast.check(model, [bad], 'cpu', dtype)
+    assert 'planted_moda' in str(e.value) and 'logsumexp' in str(e.value) and '\n' not in str(e.value)
+    for residual in ('attnres', 'blockattnres', 'mhc', 'hc', 'moda'):
+        model = make(residual)
+        assert fast.setup(model, True, 'cpu', dtype=dtype)
+
+
+def test_the_twin_reads_every_branch_of_every_scheme():
+    """The start-up twin runs each scheme's every branch: Block AttnRes reads a partial sum
+    (blocks of 2 sublayers) beside at least two frozen block sums; MoDA reads the depth slots
+    of both kinds (attention k/v, depth_kv) of at least two earlier blocks; GQA as configured."""
+    for residual in ('attnres', 'blockattnres', 'hc', 'mhc', 'moda'):
+        cfg = fast.twin_config(GPTConfig(residual=residual, n_layer=12, n_embd=96, n_head=6, n_kv_head=2))
+        assert cfg.n_layer >= 3 and cfg.n_kv_head == 2 and cfg.n_head == 6, residual
+    twin = GPT(fast.twin_config(GPTConfig(residual='blockattnres', n_layer=12, attnres_blocks=8)))
+    idx = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), twin.residual.trace() as tape:
+        twin(idx)
+    reads = [(int(r['current']), r['weights'].size(0)) for r in tape]
+    assert any(cur >= 0 for cur, _ in reads)                        # a partial sum is read
+    assert any(cur >= 3 for cur, n in reads)                        # beside the embedding and 2 block sums
+    depth_slots = []
+    twin = GPT(fast.twin_config(GPTConfig(residual='moda', n_layer=12)))
+    plain = residuals.MoDA.attention
+    twin.residual.attention = lambda q, k, v, dk, dv: depth_slots.append(dk.size(3)) or plain(twin.residual, q, k, v,
+                                                                                             dk, dv)
+    with torch.no_grad():
+        twin(idx)
+    assert max(depth_slots) >= 4
+
+
+@pytest.mark.parametrize('residual,cfg_kw,names', [
+    ('attnres', {}, ['attnres_read_fla']),
+    ('blockattnres', {}, ['attnres_read_fla']),
+    ('hc', {}, ['streams_read_liger', 'streams_write_liger']),
+    ('mhc', {}, ['mhc_coeffs_liger', 'streams_read_liger', 'streams_write_liger']),
+    ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_coeffs_torch', 'streams_read_liger', 'streams_write_liger']),
+    ('moda', {}, ['moda_sdpa']),
+])
+def test_the_cuda_kernel_is_preferred_where_two_paths_apply(residual, cfg_kw, names, monkeypatch):
+    """With CUDA and both packages (faked), select takes the kernel over the torch form of the
+    same method; on the CPU, with the packages, the torch forms."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: object() if name in ('fla', 'liger_kernel')
+                        else real(name, *a))
+    model = make(residual, **cfg_kw)
+    assert [p.name for p in fast.select(model, 'cuda')] == names
+    assert all(not p.cuda_only for p in fast.select(model, 'cpu'))
+
+
+def test_fla_launch_configs_are_pinned(tmp_path, monkeypatch):
+    """fla-core's three attnres kernels each have a launch config in fast/fla_configs/default in
+    the form fla 0.6 reads (with Triton >= 3.5.1: kwargs, num_warps, num_stages, num_ctas), so
+    its autotuner never runs; a device's own folder wins where measured."""
+    from fast import attnres
+    for k in attnres.FLA_KERNELS:
+        cfg = json.loads((attnres.FLA_CONFIGS / 'default' / f'{k}.json').read_text())
+        assert cfg['kernel_name'] == k
+        assert set(cfg['default_config']) == {'kwargs', 'num_warps', 'num_stages', 'num_ctas'}
+    assert sorted(p.stem for p in (attnres.FLA_CONFIGS / 'default').glob('*.json')) == sorted(attnres.FLA_KERNELS)
+    assert attnres.fla_config_dir('NVIDIA H200') == attnres.FLA_CONFIGS / 'default'
+    monkeypatch.setattr(attnres, 'FLA_CONFIGS', tmp_path)
+    (tmp_path / 'NVIDIA_H200').mkdir()
+    assert attnres.fla_config_dir('NVIDIA H200') == tmp_path / 'NVIDIA_H200'

