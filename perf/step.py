@@ -35,11 +35,13 @@ What a CUDA run would launch, modelled on a CPU build of torch:
     sources (fla-core 0.6.0 fla/ops/attnres/fused.py, liger-kernel 0.8.5
     liger_kernel/ops/mhc.py): the torch code around the kernels runs as it is.
 
-Time model per op: t = max(FLOPs / (peak x eta_c), bytes / (bandwidth x eta_b)) + launch,
-summed over the ops of a micro-step (one stream, no overlap between kernels). eta_c is
-set so that Pre-LN runs at PRELN_MFU (its model FLOPs, model.flops_per_token, per step
-time); eta_b and the launch overhead are unknown and span BW_EFF x LAUNCH_S: a ratio to
-Pre-LN is given at the middle of that box and its range over the corners.
+Time model: Pre-LN's micro-step takes its model FLOPs (model.flops_per_token) at PRELN_MFU
+of the peak, what a compiled nanoGPT-class step reaches; a scheme takes that plus the time
+of its own ops minus Pre-LN's, each op t = max(FLOPs / (peak x PRELN_MFU), bytes /
+(bandwidth x eta_b)) + launch (one stream, no overlap between kernels). The backbone's ops
+are the same in both and cancel, so their eager count (below) does not enter a ratio.
+eta_b and the launch overhead are unknown and span BW_EFF x LAUNCH_S: a ratio is given at
+the middle of that box, with its range over the corners.
 
 Limits: eager (no inductor fusion: compile_regions fuses the elementwise ops inside the
 attention and MLP of every scheme alike, and a scheme's own region; a fused region costs
@@ -474,35 +476,21 @@ def step_time(ops, spec, eta_c, eta_b, launch_s):
     return sum(max(f / fc, b / bb) for f, b in ops) + launch_s * len(ops)
 
 
-def calibrate(preln, spec, eta_b, launch_s, mfu=PRELN_MFU):
-    """eta_c such that Pre-LN's micro-step runs at `mfu` (model FLOPs / (peak x time)); 1.0
-    when its memory traffic and launches alone already take longer (then noted as capped)."""
-    target = preln['model_flops'] / (mfu * spec['peak'])
-    if step_time(preln['ops'], spec, 1.0, eta_b, launch_s) >= target:
-        return 1.0
-    lo, hi = 1e-4, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if step_time(preln['ops'], spec, mid, eta_b, launch_s) > target else (lo, mid)
-    return hi
-
-
 def estimate(counts, spec, mfu=PRELN_MFU):
     """{scheme: (ms, ratio, lo, hi)} on `spec`: the micro-step in ms and its ratio to Pre-LN
     at the middle of BW_EFF x LAUNCH_S, and the ratio's range over the box's corners.
-    counts: {scheme: count_step result}, with 'preln'."""
-    out, ratios = {}, {s: [] for s in counts}
-    for eta_b in (BW_EFF[0], BW_EFF[2]):
-        for ls in (LAUNCH_S[0], LAUNCH_S[2]):
-            eta_c = calibrate(counts['preln'], spec, eta_b, ls, mfu)
-            base = step_time(counts['preln']['ops'], spec, eta_c, eta_b, ls)
-            for s, c in counts.items():
-                ratios[s].append(step_time(c['ops'], spec, eta_c, eta_b, ls) / base)
-    eta_c = calibrate(counts['preln'], spec, BW_EFF[1], LAUNCH_S[1], mfu)
-    base = step_time(counts['preln']['ops'], spec, eta_c, BW_EFF[1], LAUNCH_S[1])
+    Pre-LN takes its model FLOPs at `mfu`; a scheme takes that plus the step_time of its
+    ops minus Pre-LN's (matrix products at eta_c = mfu). counts: {scheme: count_step
+    result}, with 'preln'."""
+    base = counts['preln']['model_flops'] / (mfu * spec['peak'])
+    out = {}
     for s, c in counts.items():
-        t = step_time(c['ops'], spec, eta_c, BW_EFF[1], LAUNCH_S[1])
-        out[s] = (1e3 * t, t / base, min(ratios[s]), max(ratios[s]))
+        ts = []
+        for eta_b, ls in [(BW_EFF[1], LAUNCH_S[1])] + [(e, l) for e in (BW_EFF[0], BW_EFF[2])
+                                                          for l in (LAUNCH_S[0], LAUNCH_S[2])]:
+            extra = step_time(c['ops'], spec, mfu, eta_b, ls) - step_time(counts['preln']['ops'], spec, mfu, eta_b, ls)
+            ts.append(base + extra)
+        out[s] = (1e3 * ts[0], ts[0] / base, min(ts) / base, max(ts) / base)
     return out
 
 
