@@ -177,6 +177,31 @@ class StepCount(TorchDispatchMode):
         return out
 
 
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """While active, `nbytes` = the bytes autograd saves for the backward: each storage once
+    (views of one tensor, and a tensor saved twice, count once), storages in `exclude`
+    (storage ids, `storage_id`: weights and buffers) not at all."""
+
+    def __init__(self, exclude=()):
+        self.exclude, self.seen = set(exclude), {}
+        super().__init__(self.pack, lambda t: t)
+
+    def pack(self, t):
+        s = t.untyped_storage()
+        if storage_id(t) not in self.exclude:
+            self.seen[storage_id(t)] = s.nbytes()
+        return t
+
+    @property
+    def nbytes(self):
+        return sum(self.seen.values())
+
+
+def storage_id(t):
+    """An id of t's storage, also for fake tensors (whose data pointers are all 0)."""
+    return t.untyped_storage()._cdata
+
+
 _ACTIVE = []  # the StepCount the stand-ins record their kernels in
 
 
@@ -436,31 +461,22 @@ def count_step(cfg, batch, seq_len, fast_paths='cuda', dtype=torch.bfloat16, cud
     counter = StepCount()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device='cpu')
-        own = {t.untyped_storage()._cdata for t in list(model.parameters()) + list(model.buffers())}
+        saved = SavedBytes(storage_id(t) for t in list(model.parameters()) + list(model.buffers()))
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         idx = torch.empty(batch, seq_len, dtype=torch.long)
         fast.enable(model, paths)
-        seen = {}
-
-        def pack(t):
-            s = t.untyped_storage()
-            if s._cdata not in own:
-                seen[s._cdata] = s.nbytes()
-            return t
-
         autocast = torch.autocast('cpu', dtype=dtype) if dtype is not None else contextlib.nullcontext()
         forms = CudaForms() if cuda_forms else contextlib.nullcontext()
         _ACTIVE.append(counter)
         try:
             with kernel_stand_ins(), forms, counter:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+                with saved, autocast:
                     _, loss = model(idx, idx)
-                saved = sum(seen.values())
                 loss.backward()
         finally:
             _ACTIVE.pop()
-    return dict(kernels=counter.kernels, bytes=counter.bytes, flops=counter.flops, saved=saved, ops=counter.ops,
+    return dict(kernels=counter.kernels, bytes=counter.bytes, flops=counter.flops, saved=saved.nbytes, ops=counter.ops,
                 by_op=counter.by_op, paths=[p.name for p in paths], params=model.num_params(),
                 model_flops=model.flops_per_token(seq_len) * batch * seq_len)
 
