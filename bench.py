@@ -765,10 +765,11 @@ def step_suite(o, c):
     counts = step.run(names, cfg_kw, batch, seq_len, o.step_fast)
     table = step.format_table(counts)
     print(table)
-    print(f"time per micro-step: max(FLOPs / (peak eta_c), bytes / (bandwidth eta_b)) + launch per kernel; eta_c "
-          f"from Pre-LN at {step.PRELN_MFU:.0%} MFU; middle eta_b {step.BW_EFF[1]}, launch "
-          f"{step.LAUNCH_S[1] * 1e6:.0f} us; range: eta_b {step.BW_EFF[0]}-{step.BW_EFF[2]} x launch "
-          f"{step.LAUNCH_S[0] * 1e6:.0f}-{step.LAUNCH_S[2] * 1e6:.0f} us")
+    print(f"time: Pre-LN's model FLOPs at {step.PRELN_MFU:.0%} MFU, plus a scheme's ops minus Pre-LN's, each "
+          f"max(FLOPs / (peak x {step.PRELN_MFU}), bytes / (bandwidth x eta_b)) + launch; eta_b {step.BW_EFF[1]}, "
+          f"launch {step.LAUNCH_S[1] * 1e6:.0f} us (range: eta_b {step.BW_EFF[0]}-{step.BW_EFF[2]}, launch "
+          f"{step.LAUNCH_S[0] * 1e6:.0f}-{step.LAUNCH_S[2] * 1e6:.0f} us); memory: saved activations + 16 bytes "
+          f"a parameter (fp32 weights, gradients, AdamW)")
     for s in counts:
         if s != 'preln':
             top = ', '.join(f"{n} {k:+,} kernels {b / 1e9:+,.0f} GB" for n, k, b in step.top_ops(counts[s], counts['preln'], 4))

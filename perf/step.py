@@ -511,15 +511,19 @@ def estimate(counts, spec, mfu=PRELN_MFU):
 
 
 def format_table(counts, specs=SPECS):
+    """The markdown table of `run`'s counts: per scheme its counts, its memory (saved
+    activations, and with 16 bytes a parameter for fp32 weights, gradients and AdamW's two
+    moments) and, per accelerator, `estimate`'s ms, ratio and range."""
     base = counts['preln']
-    head = ['scheme', 'fast paths', 'kernels', 'HBM traffic', 'TFLOP', 'saved'] + \
+    head = ['scheme', 'fast paths', 'kernels', 'HBM traffic', 'TFLOP', 'saved', '+ weights, grads, AdamW'] + \
         [f'{g} ms (× Pre-LN, range)' for g in specs]
     est = {g: estimate(counts, spec) for g, spec in specs.items()}
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
     for s, c in counts.items():
         extra = '' if s == 'preln' else f" ({c['kernels'] - base['kernels']:+,})"
         cells = [s, ', '.join(c['paths']) or '-', f"{c['kernels']:,}{extra}", f"{c['bytes'] / 1e12:.2f} TB",
-                 f"{c['flops'] / 1e12:.1f}", f"{c['saved'] / 2 ** 30:.1f} GiB"]
+                 f"{c['flops'] / 1e12:.1f}", f"{c['saved'] / 2 ** 30:.1f} GiB",
+                 f"{(c['saved'] + 16 * c['params']) / 2 ** 30:.1f} GiB"]
         for g in specs:
             ms, r, lo, hi = est[g][s]
             cells.append(f"{ms:.0f} ({r:.2f}×, {lo:.2f}–{hi:.2f})")
