@@ -12,6 +12,7 @@ to residuals.py that a fast path would hide stops the run at start-up, in one li
 | attnres_read_torch | AttnRes.read                             | no fla-core        | fast/attnres.py DepthRead (hand-written backward) |
 | mhc_coeffs_liger   | MHC.coefficients (projection, Sinkhorn)  | CUDA, liger-kernel, mhc_sinkhorn='liger' | liger_mhc_coeffs |
 | mhc_coeffs_torch   | MHC.coefficients                         | no liger-kernel    | fast/streams.py SinkhornRounds        |
+| hc_coeffs_torch    | HC.coefficients                          | any device         | fast/hc.py HCProjection (no H_bar)    |
 | streams_read_liger | MultiStream.read_streams (HC, mHC)       | CUDA, liger-kernel | liger_mhc_pre                         |
 | streams_write_liger| MultiStream.write_streams (HC, mHC)      | CUDA, liger-kernel | liger_mhc_post_res                    |
 | streams_write_torch| MultiStream.write_streams                | no liger-kernel    | one contiguous batched matmul-add     |
@@ -38,7 +39,7 @@ from typing import Callable
 import torch
 
 import residuals
-from fast import attnres, moda, streams
+from fast import attnres, hc, moda, streams
 from model import GPT
 
 
@@ -62,6 +63,7 @@ FAST_PATHS = [
              cuda_only=True, package='liger_kernel', applies=lambda cfg: cfg.mhc_sinkhorn == 'liger'),
     FastPath('mhc_coeffs_torch', residuals.MHC, 'coefficients', streams.torch_mhc_coefficients,
              'SinkhornRounds (torch)'),
+    FastPath('hc_coeffs_torch', residuals.HC, 'coefficients', hc.torch_hc_coefficients, 'HCProjection (torch)'),
     FastPath('streams_read_liger', residuals.MultiStream, 'read_streams', streams.liger_read, 'liger_mhc_pre',
              cuda_only=True, package='liger_kernel'),
     FastPath('streams_write_liger', residuals.MultiStream, 'write_streams', streams.liger_write,
