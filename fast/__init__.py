@@ -23,7 +23,7 @@ CUDA run uses the torch forms of the same rows. Measured (fast / plain step time
 process, interleaved; `python bench.py --suite=fast`; docs/performance.md has the table with
 its machine): on a 2-core CPU, eager, the step takes 0.56x the plain one for Full AttnRes
 and 0.68x for Block AttnRes (attnres_read_torch), 0.92x for mHC (coefficients and stream
-write), 0.96x for MoDA, and 0.99x for HC (the stream write alone: no win on the CPU). The
+write), 0.96x for MoDA, and 0.99x for HC (coefficients and stream write: no win on the CPU). The
 CUDA kernels and the torch forms on CUDA are not yet measured here (tools/gpu_check.py times
 each read plain and fast; docs/gpu.md); fla-core's and Liger's are the kernels the study
 trains with.
