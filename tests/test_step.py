@@ -128,7 +128,7 @@ def test_bench_step_suite_runs_and_rejects_bad_settings(capsys):
             '--batch_size=2', '--vocab_size=64', '--step_schemes=attnres,hc', '--out=']
     counts = bench.main(argv)
     assert list(counts) == ['preln', 'attnres', 'hc']
-    assert counts['hc']['paths'] == ['streams_read_liger', 'streams_write_liger']
+    assert counts['hc']['paths'] == ['hc_coeffs_torch', 'streams_read_liger', 'streams_write_liger']
     out = capsys.readouterr().out
     assert 'estimated, CPU fake-tensor count, no GPU measured' in out and '| attnres |' in out
     with pytest.raises(SystemExit, match="step_fast='gpu'"):
