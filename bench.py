@@ -17,6 +17,8 @@ What each residual scheme costs in wall-clock time and memory on this machine
                                             # OpenMP threads on two busy cores are slow and erratic
     python bench.py --suite=fast --schemes=attnres,hc,mhc,moda ...   # each scheme fast / plain (fast/)
     python bench.py --suite=compile ...     # cold-cache compile time of the training step against depth
+    python bench.py --suite=step            # the 400M micro-step's kernels, bytes, FLOPs and estimated
+                                            # H100/H200/A100 time, counted without a GPU (perf/step.py)
     python tools/gpu_check.py               # the staged GPU check (docs/gpu.md), a tool of its own
 
 For every scheme: training-step time (forward + backward + AdamW step), prefill
@@ -97,6 +99,9 @@ compile_layers = '4,8,16,32'  # --suite=compile: the depths L to compile each sc
 compile_schemes = 'preln,attnres,blockattnres,hc,mhc,moda'  # --suite=compile: schemes, each at every depth
 compile_steps = 5  # --suite=compile: timed compiled training steps after the first (compiling) one
 compile_repeats = 1  # --suite=compile: rounds of cold compiles per depth; rows give the medians
+step_config = 'config/preln_L32.py'  # --suite=step: the shape (L, d, heads, T, micro-batch, V) of this config file, flags given above override it; '' = the flags
+step_schemes = 'preln,attnres,blockattnres,hc,mhc,moda'  # --suite=step: schemes to count (Pre-LN always)
+step_fast = 'cuda'  # --suite=step: fast paths as 'cuda' selects them with fla-core and liger-kernel, 'cuda_torch' without, or 'off'
 
 # Time budget per scheme against Pre-LN: HC/mHC (m streams) and (Block) AttnRes (depth
 # attention over all earlier sublayers) have flat bounds; every other scheme, MoDA included,
@@ -734,6 +739,45 @@ def write_json(path, obj):
         raise
 
 
+def step_suite(o, c):
+    """--suite=step: perf/step.py's count of one micro-step per scheme under fake tensors, and
+    its time estimate on H100 / H200 / A100. Raises ValueError for a bad setting."""
+    from perf import step
+    keys = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'block_size', 'batch_size', 'vocab_size')
+    # the config file's shape, and every one of these flags given a value other than its default
+    shape = step.shape_of(o.step_config) if o.step_config else {}
+    shape.update({k: getattr(o, k) for k in keys if k not in shape or getattr(o, k) != globals()[k]})
+    batch, seq_len = shape.pop('batch_size'), shape['block_size']
+    names = [s.strip() for s in o.step_schemes.split(',') if s.strip()]
+    unknown = [s for s in names if s not in RESIDUALS]
+    if unknown:
+        raise ValueError(f"unknown scheme(s) {', '.join(unknown)} in step_schemes; registered: {', '.join(RESIDUALS)}")
+    if o.step_fast not in ('cuda', 'cuda_torch', 'off'):
+        raise ValueError(f"step_fast={o.step_fast!r}: use 'cuda', 'cuda_torch' or 'off'")
+    cfg_kw = dict(shape, hc_streams=o.hc_streams, attnres_blocks=o.attnres_blocks)
+    GPTConfig(**cfg_kw)  # validates the shape
+    print(f"bench --suite=step: L={shape['n_layer']} d={shape['n_embd']} heads={shape['n_head']} micro-batch "
+          f"{batch} x {seq_len}, V={shape['vocab_size']}, bf16 autocast, fast paths '{o.step_fast}'; estimated, "
+          f"CPU fake-tensor count, no GPU measured")
+    counts = step.run(names, cfg_kw, batch, seq_len, o.step_fast)
+    table = step.format_table(counts)
+    print(table)
+    print(f"time: Pre-LN's model FLOPs at {step.PRELN_MFU:.0%} MFU, plus a scheme's ops minus Pre-LN's, each "
+          f"max(FLOPs / (peak x {step.PRELN_MFU}), bytes / (bandwidth x eta_b)) + launch; eta_b {step.BW_EFF[1]}, "
+          f"launch {step.LAUNCH_S[1] * 1e6:.0f} us (range: eta_b {step.BW_EFF[0]}-{step.BW_EFF[2]}, launch "
+          f"{step.LAUNCH_S[0] * 1e6:.0f}-{step.LAUNCH_S[2] * 1e6:.0f} us); memory: saved activations + 16 bytes "
+          f"a parameter (fp32 weights, gradients, AdamW)")
+    for s in counts:
+        if s != 'preln':
+            top = ', '.join(f"{n} {k:+,} kernels {b / 1e9:+,.0f} GB" for n, k, b in step.top_ops(counts[s], counts['preln'], 4))
+            print(f"  {s} over Pre-LN: {top}")
+    if o.out:
+        write_json(o.out, dict(suite='step', config=c, shape=shape, batch=batch, counts=step.summary(counts),
+                               table=table, environment=environment(torch.device('cpu'))))
+        print(f"wrote {o.out}")
+    return counts
+
+
 def main(argv=None):
     """Parses `--key=value` overrides of the config above (configurator.py), runs the
     benchmark, prints the table, writes `out`; returns the result rows. User errors exit
@@ -745,8 +789,10 @@ def main(argv=None):
         configure(c, keys, sys.argv[1:] if argv is None else argv, help_text=comments_from_source(__file__),
                   none_types={'n_kv_head': int, 'dtype': str, 'fast': (str, bool)})
         o = types.SimpleNamespace(**c)
+        if o.suite == 'step':
+            return step_suite(o, c)
         if o.suite not in ('bench', 'fast', 'compile'):
-            raise ValueError(f"suite={o.suite!r}: use 'bench', 'fast' or 'compile' (the GPU check is "
+            raise ValueError(f"suite={o.suite!r}: use 'bench', 'fast', 'compile' or 'step' (the GPU check is "
                              f"tools/gpu_check.py)")
         fastpath.resolve(o.fast, 'cpu')  # a bad setting is one line now, not mid-run
         if o.compile_steps < 1:

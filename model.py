@@ -290,12 +290,13 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, order=None, skip=()):
         """idx, targets: (B, T) int64 -> logits (B, T, V), loss (mean next-token cross-entropy
-        in nats over targets != -1, None without targets)."""
-        logits = self.head(self.hidden(idx, order, skip))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        in nats over targets != -1, None without targets). With targets, the head and the loss
+        are `lm_head_loss` (the loss in chunks; its logits carry no gradient)."""
+        h = self.hidden(idx, order, skip)
+        if targets is None:
+            return self.head(h), None
+        x = self.residual.readout(h, self.norm_f)                          # (B, T, d)
+        return lm_head_loss(x, self.lm_head.weight, targets)
 
     # -------------------------------------------------------------------------
     # optimizer and efficiency
@@ -329,6 +330,67 @@ class GPT(nn.Module):
         counted, as in PaLM; cost.py has the exact per-scheme forward formulas."""
         cfg = self.config
         return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+LOSS_CHUNK = 2048  # token rows per chunk of lm_head_loss: (2048, V) fp32 logits at a time
+
+
+def lm_head_loss(x, weight, targets, chunk=LOSS_CHUNK):
+    """The LM head and the mean next-token cross-entropy (nats, over targets != -1) without
+    the (B, T, V) fp32 logits: x (B, T, d) (the final norm's output), weight (V, d) ->
+    logits (B, T, V) in the head's dtype (bf16 under autocast; no gradient flows through
+    them), loss (scalar, fp32; fp64 for fp64 x). Equal to F.cross_entropy(logits.float(),
+    targets) up to summation order: the same bf16 products and fp32 softmax (fp64 for fp64
+    x), computed `chunk` token rows at a time. With gradients on, each chunk's gradients (of
+    x, and summed, of weight) are computed at once from its softmax and kept, (B, T, d) and
+    (V, d) fp32, instead of the (B, T, V) fp32 log-probabilities the plain loss keeps for its
+    backward (the fused linear cross-entropy of Liger-Kernel, arXiv 2410.10989, in torch)."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    return HeadLoss.apply(x, weight, targets, dtype, chunk)
+
+
+class HeadLoss(torch.autograd.Function):
+    """lm_head_loss's autograd: forward computes the loss and, when grads are needed, the
+    gradients; backward scales them by the loss's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, dtype, chunk):
+        B, T, d = x.shape
+        rows, t = x.reshape(B * T, d), targets.reshape(B * T)
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        with torch.autocast(x.device.type, enabled=False):
+            acc = torch.promote_types(dtype, torch.float32)                  # the softmax's dtype
+            w = weight.to(dtype)                                             # (V, d), once
+            logits = rows.new_empty(B * T, w.size(0), dtype=dtype)
+            n_valid = (t != -1).sum()
+            loss = torch.zeros((), dtype=acc, device=x.device)
+            gx = torch.empty_like(rows, dtype=torch.promote_types(x.dtype, torch.float32)) if grads else None
+            gw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if grads else None
+            for i in range(0, B * T, chunk):
+                xc, tc = rows[i:i + chunk].to(dtype), t[i:i + chunk]
+                lc = torch.mm(xc, w.t(), out=logits[i:i + chunk]).to(acc, copy=True)  # (n, V) fp32 (fp64 for fp64)
+                valid = tc != -1
+                tsafe = tc.clamp(min=0).unsqueeze(1)
+                lse = torch.logsumexp(lc, dim=-1)
+                loss += ((lse - lc.gather(1, tsafe).squeeze(1)) * valid).sum()
+                if grads:  # d loss_sum / d logits = softmax - onehot(target), 0 on ignored rows
+                    g = lc.sub_(lse.unsqueeze(1)).exp_()
+                    g.scatter_add_(1, tsafe, -torch.ones_like(tsafe, dtype=g.dtype))
+                    g = (g * valid.unsqueeze(1)).to(dtype)
+                    gx[i:i + chunk] = g @ w
+                    gw += (g.t() @ xc).to(gw.dtype)
+        ctx.save_for_backward(gx, gw, n_valid)
+        ctx.shapes = x.shape, x.dtype, weight.dtype
+        ctx.mark_non_differentiable(logits)
+        return logits.view(B, T, -1), loss / n_valid
+
+    @staticmethod
+    def backward(ctx, _, gloss):
+        gx, gw, n_valid = ctx.saved_tensors
+        shape, xdt, wdt = ctx.shapes
+        s = gloss / n_valid
+        return (None if gx is None else (gx * s).to(xdt).view(shape),
+                None if gw is None else (gw * s).to(wdt), None, None, None)
 
 
 def compiled_region(fn, grows, backend='inductor'):

@@ -15,6 +15,7 @@ line.
 | attnres_read_torch | AttnRes.read                             | no fla-core        | fast/attnres.py DepthRead (hand-written backward) |
 | mhc_coeffs_liger   | MHC.coefficients (projection, Sinkhorn)  | CUDA, liger-kernel, mhc_sinkhorn='liger' | liger_mhc_coeffs |
 | mhc_coeffs_torch   | MHC.coefficients                         | no liger-kernel    | fast/streams.py SinkhornRounds        |
+| hc_coeffs_torch    | HC.coefficients                          | any device         | fast/hc.py HCProjection (no H_bar)    |
 | streams_read_liger | MultiStream.read_streams (HC, mHC)       | CUDA, liger-kernel | liger_mhc_pre                         |
 | streams_write_liger| MultiStream.write_streams (HC, mHC)      | CUDA, liger-kernel | liger_mhc_post_res                    |
 | streams_write_torch| MultiStream.write_streams                | no liger-kernel    | one contiguous batched matmul-add     |
@@ -25,7 +26,7 @@ CUDA run uses the torch forms of the same rows. Measured (fast / plain step time
 process, interleaved; `python bench.py --suite=fast`; docs/performance.md has the table with
 its machine): on a 2-core CPU, eager, the step takes 0.56x the plain one for Full AttnRes
 and 0.68x for Block AttnRes (attnres_read_torch), 0.92x for mHC (coefficients and stream
-write), 0.96x for MoDA, and 0.99x for HC (the stream write alone: no win on the CPU). The
+write), 0.96x for MoDA, and 0.99x for HC (coefficients and stream write: no win on the CPU). The
 CUDA kernels and the torch forms on CUDA are not yet measured here (tools/gpu_check.py times
 each read plain and fast; docs/gpu.md); fla-core's and Liger's are the kernels the study
 trains with.
@@ -46,7 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import residuals
-from fast import attnres, moda, streams
+from fast import attnres, hc, moda, streams
 from model import GPT
 
 
@@ -71,6 +72,7 @@ FAST_PATHS = [
              cuda_only=True, package='liger_kernel', applies=lambda cfg: cfg.mhc_sinkhorn == 'liger'),
     FastPath('mhc_coeffs_torch', residuals.MHC, 'coefficients', streams.torch_mhc_coefficients,
              'SinkhornRounds (torch)'),
+    FastPath('hc_coeffs_torch', residuals.HC, 'coefficients', hc.torch_hc_coefficients, 'HCProjection (torch)'),
     FastPath('streams_read_liger', residuals.MultiStream, 'read_streams', streams.liger_read, 'liger_mhc_pre',
              cuda_only=True, package='liger_kernel'),
     FastPath('streams_write_liger', residuals.MultiStream, 'write_streams', streams.liger_write,

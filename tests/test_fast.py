@@ -38,7 +38,7 @@ B, T, D, N_SRC, M, S = 2, 5, 32, 4, 4, 3       # batch, tokens, width, AttnRes s
 
 def scheme_of(path):
     """The registry name whose model runs `path`'s plain method (the class or a subclass)."""
-    names = {residuals.AttnRes: 'attnres', residuals.MHC: 'mhc', residuals.MultiStream: 'hc',
+    names = {residuals.AttnRes: 'attnres', residuals.MHC: 'mhc', residuals.MultiStream: 'hc', residuals.HC: 'hc',
              residuals.MoDA: 'moda'}
     return names[path.scheme]
 
@@ -306,7 +306,7 @@ def test_the_guard_refuses_an_edit_the_fast_path_would_hide(residual, edit, name
 @pytest.mark.parametrize('residual,cfg_kw,names', [
     ('attnres', {}, ['attnres_read_torch']),
     ('blockattnres', {}, ['attnres_read_torch']),
-    ('hc', {}, ['streams_write_torch']),
+    ('hc', {}, ['hc_coeffs_torch', 'streams_write_torch']),
     ('mhc', {}, ['mhc_coeffs_torch', 'streams_write_torch']),
     ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_coeffs_torch', 'streams_write_torch']),
     ('moda', {}, ['moda_sdpa']),

@@ -193,12 +193,12 @@ if {where!r} == 'model':
         _sigint()
     model.GPT.__init__ = _init_sigint
 elif {where!r} == 'eval':
-    _ce = F.cross_entropy
-    def _ce_sigint(*a, **k):
+    _loss = model.lm_head_loss
+    def _loss_sigint(*a, **k):
         if not torch.is_grad_enabled():
             _sigint()
-        return _ce(*a, **k)
-    F.cross_entropy = _ce_sigint
+        return _loss(*a, **k)
+    model.lm_head_loss = _loss_sigint
 else:
     _save = torch.save
     def _save_sigint(obj, f, *a, **k):

@@ -65,20 +65,20 @@ torch.nn.utils.clip_grad_norm_ = _nan_clip
 
 # the validation loss of the n-th evaluation onwards (1-based) replaced: x + {add}, or NaN
 EVAL_LOSS_FROM = """
-import torch, torch.nn.functional as F
-_ce, _evals, _last = F.cross_entropy, [0], [None]
-def _eval_ce(*a, **k):
-    loss = _ce(*a, **k)
+import torch, model
+_lhl, _evals, _last = model.lm_head_loss, [0], [None]
+def _eval_loss(*a, **k):
+    logits, loss = _lhl(*a, **k)
     if torch.is_grad_enabled():
         _last[0] = None
-        return loss
+        return logits, loss
     if _last[0] is None:  # the first batch of an evaluation
         _evals[0] += 1
         _last[0] = 1
     if _evals[0] >= {n}:
-        return loss * float('nan') if {add!r} == 'nan' else loss + {add}
-    return loss
-F.cross_entropy = _eval_ce
+        return logits, (loss * float('nan') if {add!r} == 'nan' else loss + {add})
+    return logits, loss
+model.lm_head_loss = _eval_loss
 """
 
 

@@ -1,0 +1,1 @@
+"""Performance estimates that need no accelerator (docs/performance.md)."""
