@@ -412,15 +412,19 @@ KERNELS = {
 def kernel_stand_ins():
     """Makes `from fla.ops.attnres import fused_attnres` (and liger's functional ops) import
     the counting stand-ins; the modules that were there before are put back after."""
+    import fast.attnres
     names = sorted({'.'.join(k.split('.')[:i]) for k in KERNELS for i in range(1, k.count('.') + 2)})
     before = {n: sys.modules.get(n) for n in names}
+    fla_kernel = fast.attnres.fla_kernel  # pins fla's launch configs: nothing to pin in a stand-in
     try:
         for n in names:
             sys.modules[n] = types.ModuleType(n)
         for n, fns in KERNELS.items():
             vars(sys.modules[n]).update(fns)
+        fast.attnres.fla_kernel = lambda: fla_fused_attnres
         yield
     finally:
+        fast.attnres.fla_kernel = fla_kernel
         for n, m in before.items():
             if m is None:
                 sys.modules.pop(n, None)

@@ -531,7 +531,7 @@ def test_the_twin_reads_every_branch_of_every_scheme():
 @pytest.mark.parametrize('residual,cfg_kw,names', [
     ('attnres', {}, ['attnres_read_fla']),
     ('blockattnres', {}, ['attnres_read_fla']),
-    ('hc', {}, ['streams_read_liger', 'streams_write_liger']),
+    ('hc', {}, ['hc_coeffs_torch', 'streams_read_liger', 'streams_write_liger']),
     ('mhc', {}, ['mhc_coeffs_liger', 'streams_read_liger', 'streams_write_liger']),
     ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_coeffs_torch', 'streams_read_liger', 'streams_write_liger']),
     ('moda', {}, ['moda_sdpa']),
