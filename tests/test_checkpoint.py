@@ -114,15 +114,16 @@ def test_a_pickle_holding_code_is_refused_as_such_and_nothing_runs(tmp_path):
         checkpoint.load_checkpoint(tmp_path / 'junk.pt')
 
 
-@pytest.mark.parametrize('tool', ['probe', 'sample'])
-def test_probe_and_sample_refuse_a_flipped_byte_with_one_line(tool, tmp_path):
+@pytest.mark.parametrize('tool', ['probe', 'sample', 'convert'])
+def test_probe_sample_and_convert_refuse_a_flipped_byte_with_one_line(tool, tmp_path):
     run = tmp_path / 'run'
     tiny_checkpoint(run / 'ckpt.pt')
     tiny_checkpoint(run / 'ckpt_best.pt', iter_num=1)
     flip(run / 'ckpt.pt', (run / 'ckpt.pt').stat().st_size // 2)
     args = {'probe': ['probe.py', f'--ckpt={run / "ckpt.pt"}', '--metrics=angular', '--device=cpu',
                       '--n_windows=2', '--seq_len=16', f'--out_dir={tmp_path / "p"}'],
-            'sample': ['sample.py', f'--init_from={run / "ckpt.pt"}', '--device=cpu', '--max_new_tokens=2']}[tool]
+            'sample': ['sample.py', f'--init_from={run / "ckpt.pt"}', '--device=cpu', '--max_new_tokens=2'],
+            'convert': ['tools/convert.py', '--to=hf', str(run / 'ckpt.pt'), f'--out={tmp_path / "p"}']}[tool]
     r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, env=ENV, timeout=300)
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1, r.stderr[-2000:]

@@ -91,3 +91,11 @@ def test_finite_float():
     for text, words in (('nan', 'not a finite number'), ('inf', 'not a finite number'), ('two', 'not a number')):
         with pytest.raises(argparse.ArgumentTypeError, match=words):
             finite_float(text)
+
+
+@pytest.mark.parametrize('argv', [['tools/gpu_check.py', '--budget=nan'],
+                                  ['data/fineweb_edu/prepare.py', '--val_fraction=inf']])
+def test_the_other_tools_refuse_a_non_finite_float(argv):
+    r = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].endswith(f"{argv[1].split('=')[1]!r} is not a finite number"), r.stderr

@@ -45,6 +45,7 @@ import torch
 
 import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
+import checkpoint  # noqa: E402
 from model import GPT, GPTConfig
 from tools.untrusted import RefusedGlobal, describe_load_error
 
@@ -615,15 +616,10 @@ def export_hf(ckpt_path, out_dir):
     """Our Pre-LN checkpoint -> out_dir/{config.json, model.safetensors} (+ tokenizer.json when the
     checkpoint records one). Written into a temporary directory and renamed. Raises ValueError."""
     from safetensors.torch import save_file
-    try:
-        ckpt = torch.load(ckpt_path, map_location='cpu', weights_only=True)
+    try:  # its seal verified, weights_only; a damaged, refused or partial file is one line (ValueError)
+        ckpt = checkpoint.load_checkpoint(ckpt_path)
     except FileNotFoundError:
         raise ValueError(f"checkpoint {ckpt_path} not found") from None
-    except Exception as e:
-        raise ValueError(describe_load_error(e, ckpt_path) or f"checkpoint {ckpt_path} cannot be read "
-                         f"({type(e).__name__}): truncated or not a torch checkpoint") from None
-    if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
-        raise ValueError(f"checkpoint {ckpt_path} lacks 'model' / 'model_args'; save it with train.py")
     cfg = GPTConfig.from_dict(ckpt['model_args'])
     if cfg.residual != 'preln':
         raise ValueError(f"only Pre-LN is a LlamaForCausalLM; {cfg.residual} has no transformers class "

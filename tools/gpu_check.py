@@ -48,6 +48,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the repo root, when run as a script
+from configurator import finite_float  # noqa: E402
 
 TORCH_MIN = (2, 11)
 BUDGET_S = 480  # the whole check: 8 minutes
@@ -594,7 +595,7 @@ def main(argv=None):
     p.add_argument('--steps', type=int, default=8, help='optimizer steps of each train.py stage')
     p.add_argument('--compile', choices=('True', 'False'), default=None, help='default: True on CUDA, else False')
     p.add_argument('--fast', default='auto', help="train.py's fast: 'auto' (on for CUDA), True or False")
-    p.add_argument('--budget', type=float, default=BUDGET_S, help='seconds for the whole check')
+    p.add_argument('--budget', type=finite_float, default=BUDGET_S, help='seconds for the whole check')
     p.add_argument('--limits', type=limits_arg, default={}, help='stage time limits, e.g. headline=200,preln=100')
     p.add_argument('--schemes', default=','.join(OTHER_SCHEMES), help='the schemes of the last stage, in order')
     p.add_argument('--data_dir', default=None, help="train.py's --data_dir (default: data/fineweb_edu, the "

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # the repo root, for data/tokenizer.py
+from configurator import finite_float  # noqa: E402
 from data.tokenizer import TOKENIZERS, check_uint16, get_tokenizer, is_tokenizer_file  # noqa: E402
 
 HUB_DATASET, HUB_CONFIG = 'HuggingFaceFW/fineweb-edu', 'sample-10BT'
@@ -207,7 +208,7 @@ def parse_args(argv):
                    help="a built-in tokenizer or a HuggingFace tokenizer.json (e.g. the study's, beside its checkpoints)")
     p.add_argument('--out_dir', default=None, help="default: data/fineweb_edu (gpt2), data/fineweb_edu_byte (byte)")
     p.add_argument('--num_docs', type=int, default=None, help="cap on documents; default: all local docs, 200,000 from the hub")
-    p.add_argument('--val_fraction', type=float, default=None,
+    p.add_argument('--val_fraction', type=finite_float, default=None,
                    help=f"expected fraction of documents in val.bin; default 0.005 ({SAMPLE_VAL_FRACTION} with --sample)")
     p.add_argument('--num_proc', type=int, default=min(8, os.cpu_count() or 1), help="tokenizer threads")
     return p.parse_args(argv)
