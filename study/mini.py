@@ -9,9 +9,9 @@ every probe on the deepest models, and each finding beside the paper's number.
 The sweep is paired: seed k gives every scheme and shape the same data order (train.py's
 loader is seeded by the run's seed alone) and the same held-out windows, so depth costs and
 scheme differences are taken within each seed and their mean and standard error are over
-seeds. A finding's verdict: `reproduces` when its paired mean has the paper's sign and is
-more than twice its standard error, `opposite` when it has the other sign and is more than
-twice its standard error, `not resolved at this scale` otherwise.
+seeds. The test of a finding: a two-sided paired t-test at 5% with n - 1 degrees of freedom on
+its per-seed values, Holm's correction over the table's tested rows, and the verdicts of
+verdict() (docs/mini.md states the rule and the contrast).
 """
 
 import argparse
@@ -140,8 +140,12 @@ def collect(root=ROOT, seeds=3):
             'deepest': DEEPEST, 'runs': rows, 'probes': probes}
 
 
+ALPHA = 0.05  # the family-wise error rate of the findings table (Holm over its tested rows)
+
+
 def paired(xs):
-    """(mean, standard error, n) of per-seed values (None for missing seeds dropped)."""
+    """(mean, standard error, n) of per-seed values (None for missing seeds dropped); the
+    standard error is the sample standard deviation (n - 1) over sqrt(n), None for one seed."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     n = len(xs)
     if not n:
@@ -151,69 +155,164 @@ def paired(xs):
     return m, se, n
 
 
-def verdict(mean, se, paper_sign):
-    if mean is None or se is None:
-        return 'not resolved at this scale'
-    if abs(mean) <= 2 * se:
-        return 'not resolved at this scale'
-    return 'reproduces' if (mean > 0) == (paper_sign > 0) else 'opposite'
+def t_test(xs, alpha=ALPHA):
+    """
+    The paired test of a finding: a two-sided one-sample t-test of the per-seed values
+    against 0, with n - 1 degrees of freedom (Student; scipy.stats.t). Returns a dict with
+    mean, se, n, t, p and the 1 - alpha confidence interval lo, hi. p, t, lo and hi are None
+    when the test is undefined: fewer than two seeds, or every seed the same (s.e. 0, where
+    the t statistic has no distribution; such a sample must not pass).
+    """
+    from scipy import stats
+    m, se, n = paired(xs)
+    out = dict(mean=m, se=se, n=n, t=None, p=None, lo=None, hi=None)
+    if n < 2 or not se:
+        return out
+    q = float(stats.t.ppf(1 - alpha / 2, n - 1))
+    t = m / se
+    out.update(t=t, p=float(2 * stats.t.sf(abs(t), n - 1)), lo=m - q * se, hi=m + q * se)
+    return out
+
+
+def holm(ps, alpha=ALPHA):
+    """
+    Holm's step-down correction: ps (p-values, None = untested) -> (adjusted p, rejected) per
+    entry, in the same order; None/False for untested ones. The i-th smallest of m p-values
+    is multiplied by m - i + 1 (i from 1), made non-decreasing and capped at 1; a hypothesis
+    is rejected when its adjusted p is <= alpha (Holm 1979).
+    """
+    idx = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+    m = len(idx)
+    adj, run = [None] * len(ps), 0.0
+    for rank, i in enumerate(idx):
+        run = max(run, min(1.0, (m - rank) * ps[i]))
+        adj[i] = run
+    return adj, [a is not None and a <= alpha for a in adj]
+
+
+def verdict(test, p_adj, paper_effect, paper_sign):
+    """
+    The verdict of one finding, from its t_test, its Holm-adjusted p and the paper's effect
+    on this scale (None when the paper gives no size). paper_sign: +1 / -1 the direction the
+    paper reports, 0 when the paper reports no difference. Verdicts:
+      reproduces / opposite      adjusted p <= ALPHA, the mean with / against the paper's sign;
+      differs from the paper     adjusted p <= ALPHA where the paper reports no difference;
+      bounded below the paper's size   not significant, and the 1 - ALPHA interval lies wholly
+                                 on the near side of the paper's effect (excludes it);
+      not resolved at this scale otherwise (including an undefined test: < 2 seeds, s.e. 0).
+    """
+    if test['p'] is not None and p_adj is not None and p_adj <= ALPHA:
+        if paper_sign == 0:
+            return 'differs from the paper'
+        return 'reproduces' if (test['mean'] > 0) == (paper_sign > 0) else 'opposite'
+    if test['lo'] is not None and paper_effect is not None and paper_sign != 0:
+        if (paper_effect > 0 and test['hi'] < paper_effect) or (paper_effect < 0 and test['lo'] > paper_effect):
+            return 'bounded below the paper\'s size'
+    return 'not resolved at this scale'
+
+
+def late_pairs(L):
+    """The number of late block pairs (s, t), s < t < L, s >= ceil(L / 4) (probes.md): 15 at L = 8."""
+    start = math.ceil(L / 4)
+    return sum(L - 1 - s for s in range(start, L))
+
+
+# The contrast, fixed before seeds 3-7 were trained: the last doubling of depth, L = 4 -> 8, is
+# set beside the paper's L = 16 -> 32 (the question is what doubling an already deep model
+# does; L = 8 is the shape every probe row measures, and L = 2 has no Block AttnRes). Matched
+# by width/depth ratio instead, the paper's d/L 76 -> 28 is L = 2 -> 4 here (d/L 88 -> 32):
+# those rows follow, tested the same way and counted in the same Holm family.
+CONTRAST = (4, 8)
+MATCHED = (2, 4)
+ERANK_MAX = 4  # m, the streams of HC and mHC: the effective rank of an m x m map is at most m
 
 
 def findings(results):
-    """The table rows: dicts with finding, paper, ours (mean, se, n), verdict, statistic."""
+    """
+    The table rows: dicts with finding, paper (the paper's number as text), paper_effect (the
+    paper's effect on this study's scale, None where it gives no size), paper_sign, the
+    t_test fields (mean, se, n, t, p, lo, hi), p_holm, verdict, statistic, and note (why a row
+    is not testable, or its unit in late pairs). A loss effect is scaled by the ratio of
+    losses: the paper's difference over its Pre-LN loss at the same shape (Fig. 2), times this
+    study's Pre-LN mean loss at the matching shape; shares of late pairs are compared as they are.
+    """
     loss = {}  # (scheme, L, seed) -> val loss
     for r in results['runs']:
         if r['status'] == 'finished' and r['val_loss'] is not None:
             loss[(r['scheme'], r['L'], r.get('seed', 0))] = r['val_loss']
-    seeds = sorted({k for (_, _, k) in loss})
-    L1, L2 = sorted(families.MINI_DEPTHS)[-2:]  # the last doubling, as the paper's 16 -> 32
-
-    def depth_cost(s, k):
-        a, b = loss.get((s, L2, k)), loss.get((s, L1, k))
-        return None if a is None or b is None else a - b
-
+    seeds = sorted({k for (_, _, k) in loss} | {int(k) for v in results['probes'].values() for k in v})
+    pr = results['probes']
     P = PAPER
-    cost = {s: P['loss_L32'][s] - P['loss_L16'][s] for s in ('preln', 'attnres', 'hc')}
     rows = []
 
-    def add(finding, paper, values, paper_sign, stat):
-        m, se, n = paired(values)
-        rows.append(dict(finding=finding, paper=paper, mean=m, se=se, n=n, verdict=verdict(m, se, paper_sign),
-                         statistic=stat))
+    def minus(a, b):
+        return None if a is None or b is None else a - b
 
-    add(f"Pre-LN: extra depth costs loss (L {L1} -> {L2}; paper 16 -> 32)", f"{cost['preln']:+.3f}",
-        [depth_cost('preln', k) for k in seeds], cost['preln'], 'loss(L2) - loss(L1), per seed')
-    for s, name in (('attnres', 'Full AttnRes'), ('hc', 'HC')):
-        d = cost[s] - cost['preln']
-        add(f"{name} turns depth into lower loss than Pre-LN", f"{d:+.3f}",
-            [None if depth_cost(s, k) is None or depth_cost('preln', k) is None
-             else depth_cost(s, k) - depth_cost('preln', k) for k in seeds], d,
-            'depth cost minus Pre-LN\'s, paired by seed')
+    def scaled(effect, paper_L, L):  # the paper's loss effect as a fraction of its Pre-LN loss, on ours
+        ref = _mean([loss.get(('preln', L, k)) for k in seeds])
+        return None if ref is None else effect / P[f'loss_L{paper_L}']['preln'] * ref
+
+    def add(finding, paper, values, paper_sign, stat, paper_effect=None, untestable=None, note=''):
+        t = t_test(values)
+        if untestable:
+            t.update(t=None, p=None, lo=None, hi=None)
+        rows.append(dict(finding=finding, paper=paper, paper_effect=paper_effect, paper_sign=paper_sign,
+                         statistic=stat, note=untestable or note, testable=not untestable, **t))
+
+    def depth_cost(s, k, L1, L2):
+        return minus(loss.get((s, L2, k)), loss.get((s, L1, k)))
+
+    cost = {s: P['loss_L32'][s] - P['loss_L16'][s] for s in ('preln', 'attnres', 'hc')}
+    for (L1, L2), tag in ((CONTRAST, ''), (MATCHED, ', d/L-matched')):
+        add(f"Pre-LN: extra depth costs loss (L {L1} -> {L2}{tag}; paper 16 -> 32)", f"{cost['preln']:+.3f}",
+            [depth_cost('preln', k, L1, L2) for k in seeds], +1, 'loss(L2) - loss(L1), per seed',
+            scaled(cost['preln'], 16, L1))
+        for s, name in (('attnres', 'Full AttnRes'), ('hc', 'HC')):
+            d = cost[s] - cost['preln']
+            add(f"{name} turns depth into lower loss than Pre-LN (L {L1} -> {L2}{tag})", f"{d:+.3f}",
+                [minus(depth_cost(s, k, L1, L2), depth_cost('preln', k, L1, L2)) for k in seeds], -1,
+                "depth cost minus Pre-LN's, paired by seed", scaled(d, 16, L1))
+    L = CONTRAST[1]
     for s, name in (('attnres', 'Full AttnRes'), ('hc', 'HC')):
         d = P['loss_L32'][s] - P['loss_L32']['preln']
-        add(f"{name} below Pre-LN at the deepest shape (L {L2}; paper 32)", f"{d:+.3f}",
-            [None if loss.get((s, L2, k)) is None or loss.get(('preln', L2, k)) is None
-             else loss[(s, L2, k)] - loss[('preln', L2, k)] for k in seeds], d, 'loss difference, paired by seed')
-    pr = results['probes']
+        add(f"{name} below Pre-LN at the deepest shape (L {L}; paper 32)", f"{d:+.3f}",
+            [minus(loss.get((s, L, k)), loss.get(('preln', L, k))) for k in seeds], -1,
+            'loss difference, paired by seed', scaled(d, 32, L))
+
+    def probe(s, k, key):
+        return pr.get(s, {}).get(str(k), {}).get(key)
 
     def probe_diff(key, a, b):
-        return [None if pr.get(a, {}).get(k, {}).get(key) is None or pr.get(b, {}).get(k, {}).get(key) is None
-                else pr[a][k][key] - pr[b][k][key] for k in map(str, seeds)]
+        return [minus(probe(a, k, key), probe(b, k, key)) for k in seeds]
+    n_late = late_pairs(results['deepest'])
     for key, label in (('R_causal', 'causal score > 0.45'), ('R_perm', 'permutation score > 0.15')):
         for s, name in (('attnres', 'Full AttnRes'), ('hc', 'HC')):
-            d = P[key][s] - P[key]['preln']
-            add(f"{name}: more late pairs with {label} than Pre-LN (L {L2}; paper 32)",
-                f"{P[key][s]:.0%} vs {P[key]['preln']:.0%}", probe_diff(key, s, 'preln'), d,
-                f"{key} difference, paired by seed")
-    low = [pr.get('blockattnres', {}).get(str(k), {}).get('low_use_sublayers') for k in seeds]
-    add(f"Block AttnRes: an early low-use segment (L {L2})", "2 / 5 / 8 layers at L = 16 / 24 / 32",
-        [None if x is None else x / 2 for x in low], 1, 'leading layers (sublayers / 2) whose reads put < 0.1 '
-        'on the running block sum')
-    add(f"HC's composed residual map has a higher effective rank than mHC's (L {L2})",
-        "2.53-2.81 vs 1.44-1.65", probe_diff('erank', 'hc', 'mhc'), 1, 'erank difference, paired by seed')
-    for s, name in (('attnres', 'Full AttnRes'), ('hc', 'HC')):
-        add(f"Dropping a late block costs {name} more than Pre-LN (L {L2})", "qualitative (Fig. 8 left)",
-            probe_diff('prune_late', s, 'preln'), 1, 'held-out loss added by one dropped late block, paired')
+            diffs = [x for x in probe_diff(key, s, 'preln') if x is not None]
+            pairs = sorted(round(x * n_late) for x in diffs)
+            add(f"{name}: more late pairs with {label} than Pre-LN (L {L}; paper 32)",
+                f"{P[key][s]:.0%} vs {P[key]['preln']:.0%}", probe_diff(key, s, 'preln'), +1,
+                f"{key} difference, paired by seed", P[key][s] - P[key]['preln'],
+                note=f"seeds differ by {', '.join(f'{q:+d}' for q in pairs)} of {n_late} late pairs" if diffs else '')
+    low = [probe('blockattnres', k, 'low_use_sublayers') for k in seeds]
+    depths = [results['deepest']] if any(x is not None for x in low) else []
+    add(f"Block AttnRes: an early low-use segment that grows with depth (L {L})",
+        "2 / 5 / 8 layers at L = 16 / 24 / 32", [None if x is None else x / 2 for x in low], +1,
+        'leading layers (sublayers / 2) whose reads put < 0.1 on the running block sum',
+        untestable=None if len(depths) > 1 else "the claim is growth with depth; probed at "
+        + (f"one depth (L = {depths[0]})" if depths else "no depth"))
+    mhc = _mean([probe('mhc', k, 'erank') for k in seeds])
+    add(f"HC's composed residual map has a higher effective rank than mHC's (L {L})", "2.53-2.81 vs 1.44-1.65",
+        probe_diff('erank', 'hc', 'mhc'), +1, 'erank difference, paired by seed',
+        untestable=None if mhc is None or mhc < ERANK_MAX - 0.05 else
+        f"mHC's maps are still at their identity init (erank {mhc:.3f} of at most {ERANK_MAX})")
+    add(f"Dropping a late block costs Full AttnRes more than Pre-LN (L {L})", "more (Fig. 8 left)",
+        probe_diff('prune_late', 'attnres', 'preln'), +1, 'held-out loss added by one dropped late block, paired')
+    add(f"Dropping a late block costs HC as much as Pre-LN (L {L})", "as Pre-LN (Fig. 8 left)",
+        probe_diff('prune_late', 'hc', 'preln'), 0, 'held-out loss added by one dropped late block, paired')
+    adj, _ = holm([r['p'] for r in rows])
+    for r, a in zip(rows, adj):
+        r['p_holm'] = a
+        r['verdict'] = verdict(r, a, r['paper_effect'], r['paper_sign']) if r['testable'] else 'not testable here'
     return rows
 
 
@@ -233,12 +332,21 @@ def _fmt(m, se, n, pct=False):
     return f(m) + (f" ± {f(se).lstrip('+')}" if se is not None else '') + f" ({n})"
 
 
+def _p(p):
+    return '–' if p is None else f"{p:.3f}" if p >= 0.001 else f"{p:.0e}"
+
+
 def format_findings(rows):
-    lines = ["| finding | paper | ours (mean ± s.e., seeds) | verdict | statistic |", "|---|---|---|---|---|"]
+    """The findings table as markdown; `paper here` is the paper's effect on this study's scale."""
+    lines = ["| finding | paper | paper here | ours: mean ± s.e. (seeds) | 95% interval | p | p, Holm | verdict "
+             "| statistic | note |", "|---" * 10 + "|"]
     for r in rows:
         pct = 'R_' in r['statistic']
-        lines.append(f"| {r['finding']} | {r['paper']} | {_fmt(r['mean'], r['se'], r['n'], pct)} | "
-                     f"{r['verdict']} | {r['statistic']} |")
+        f = (lambda x: f"{100 * x:+.1f}%") if pct else (lambda x: f"{x:+.3f}")
+        ci = '–' if r['lo'] is None else f"[{f(r['lo'])}, {f(r['hi'])}]"
+        lines.append(f"| {r['finding']} | {r['paper']} | {'–' if r['paper_effect'] is None else f(r['paper_effect'])} "
+                     f"| {_fmt(r['mean'], r['se'], r['n'], pct)} | {ci} | {_p(r['p'])} | {_p(r.get('p_holm'))} "
+                     f"| {r['verdict']} | {r['statistic']} | {r['note'] or ''} |")
     return "\n".join(lines)
 
 
