@@ -38,11 +38,45 @@ PAPER = {
     'R_perm': {'preln': 0.08, 'hc': 0.35, 'attnres': 0.46},          # Fig. 6, L = 32, P > 0.15
     'low_use_layers': {16: 2, 24: 5, 32: 8},                         # Fig. 9, Block AttnRes
     'erank': {'hc': (2.53, 2.81), 'mhc': (1.44, 1.65)},              # Fig. 10, range over shapes
+    'mhc_extra_params': 0.012,                                       # mHC's parameters over Pre-LN's, 400M
 }
 
 
 # -----------------------------------------------------------------------------
 # probing the deepest model of every seed
+
+# The study's runs: seeds 0-2 of every scheme and shape, and seeds 3-7 of the three schemes of
+# the paper's Fig. 2 at L = 4 and 8, the depth contrast and the probed shape (docs/mini.md).
+PLAN = ((range(0, 3), families.MINI_SCHEMES, families.MINI_DEPTHS),
+        (range(3, 8), ('preln', 'attnres', 'hc'), (4, 8)))
+N_SEEDS = max(k for ks, _, _ in PLAN for k in ks) + 1
+
+
+def planned(seeds=None, schemes=None, shapes=None):
+    """The (seed, scheme, L) of PLAN that the mini family has, seed by seed, keeping only the
+    seed indices, schemes and depths given (None = all)."""
+    have = {(r.scheme, r.L) for r in families.runs('mini')}
+    out = [(k, s, L) for ks, ss, Ls in PLAN for k in ks for s in ss for L in Ls
+           if (s, L) in have and (seeds is None or k in seeds) and (schemes is None or s in schemes)
+           and (shapes is None or L in shapes)]
+    return sorted(dict.fromkeys(out), key=lambda t: t[0])
+
+
+def train(seeds=None, schemes=None, shapes=None, probe=True, root=ROOT):
+    """Trains the planned runs (finished ones skipped, interrupted ones resumed: study/sweep.py),
+    seed by seed, probing each seed's L = DEEPEST models after its runs. Returns failures."""
+    from study import sweep
+    todo = planned(seeds, schemes, shapes)
+    failures = []
+    for k in dict.fromkeys(t[0] for t in todo):
+        mine = [(s, L) for kk, s, L in todo if kk == k]
+        for L in sorted({L for _, L in mine}):
+            failures += sweep.sweep('mini', schemes=[s for s, LL in mine if LL == L], shapes=[L], seed=k, seeds=k + 1,
+                                    root=root)
+        if probe:
+            failures += probe_missing(root, N_SEEDS, only={k})
+    return failures
+
 
 def deepest_runs(root=ROOT, seeds=3):
     """(seed k, run) for the L = DEEPEST run of every mini scheme and seed that finished."""
@@ -59,12 +93,15 @@ def probe_json(run, root=ROOT):
     return os.path.join(root, run.out_dir, 'probe', 'probe.json')
 
 
-def probe_missing(root=ROOT, seeds=3):
-    """Runs probe.py on every deepest checkpoint whose probe.json lacks a metric (probe.py
-    keeps what an earlier probe.json holds). Returns the (name, reason) of failures."""
+def probe_missing(root=ROOT, seeds=3, only=None):
+    """Runs probe.py on every deepest checkpoint (of the seed indices in `only`, None = all)
+    whose probe.json lacks a metric (probe.py keeps what an earlier probe.json holds).
+    Returns the (name, reason) of failures."""
     from study import sweep
     failures = []
     for k, run in deepest_runs(root, seeds):
+        if only is not None and k not in only:
+            continue
         have = _read(probe_json(run, root)) or {}
         todo = [m for m in PROBE_METRICS if m not in have and m not in have.get('skipped', {})]
         if not todo:
@@ -126,16 +163,35 @@ def _mean(xs):
 # -----------------------------------------------------------------------------
 # results and findings
 
-def collect(root=ROOT, seeds=3):
-    """{'runs': the sweep's rows (one per run and seed), 'probes': {scheme: {seed: summary}},
-    'budget', 'machine'} from the out/ directories."""
+def collect(root=ROOT, seeds=N_SEEDS, prior=None):
+    """{'runs': one row per planned run (sweep.read_result's, with 'seed', and 'wall_s' and
+    'machine' where study/sweep.py timed it), 'probes': {scheme: {seed: summary}}, the budget
+    and the deepest L} from the out/ directories. A run or probe that out/ lacks is taken from
+    `prior` (a results dict; default the committed RESULTS), so a fresh checkout that trains
+    only some seeds keeps the rest."""
     from study import sweep
-    rows = sweep.read_all('mini', root, seeds)
-    probes = {}
+    if prior is None:
+        prior = _read(os.path.join(root, RESULTS))
+    prior = prior if is_results(prior) else {'runs': [], 'probes': {}}
+    old = {(r['scheme'], r['L'], r.get('seed', 0)): r for r in prior['runs'] if r.get('status') == 'finished'}
+    plan = {(s, L, k) for k, s, L in planned()}
+    rows = []
+    for r in sweep.read_all('mini', root, seeds):
+        key = (r['scheme'], r['L'], r['seed'])
+        if key not in plan:
+            continue
+        if r['status'] != 'finished' and key in old:
+            r = old[key]
+        else:
+            t = _read(os.path.join(root, r['out_dir'], 'wall_time.json')) or {}
+            r = dict(r, wall_s=t.get('wall_s'), machine=t.get('machine'))
+        rows.append(r)
+    probes = {s: dict(v) for s, v in prior['probes'].items()}
     for k, run in deepest_runs(root, seeds):
         p = _read(probe_json(run, root))
-        if p:
+        if p and (run.scheme, run.L, k) in plan:
             probes.setdefault(run.scheme, {})[str(k)] = probe_summary(p, run.L)
+    probes = {s: dict(sorted(v.items(), key=lambda kv: int(kv[0]))) for s, v in probes.items()}
     return {'family': 'mini', 'tokens_per_backbone_param': families.MINI_TOKENS_PER_PARAM,
             'deepest': DEEPEST, 'runs': rows, 'probes': probes}
 
@@ -365,58 +421,302 @@ def format_probes(results):
 
 
 # -----------------------------------------------------------------------------
+# docs/mini.md: the blocks between <!-- begin NAME --> and <!-- end NAME --> are written here
+
+def _seed_list(ks):
+    """[0, 1, 2, 4] -> '0–2, 4'."""
+    out, ks = [], sorted(ks)
+    i = 0
+    while i < len(ks):
+        j = i
+        while j + 1 < len(ks) and ks[j + 1] == ks[j] + 1:
+            j += 1
+        out.append(f"{ks[i]}" if i == j else f"{ks[i]}–{ks[j]}")
+        i = j + 1
+    return ', '.join(out)
+
+
+def _finished(results):
+    return [r for r in results['runs'] if r['status'] == 'finished' and r['val_loss'] is not None]
+
+
+def format_seeds(results):
+    """Which seeds every (scheme, L) cell has, grouped by identical seed sets."""
+    cells = {}
+    for r in _finished(results):
+        cells.setdefault((r['scheme'], r['L']), set()).add(r.get('seed', 0))
+    groups = {}
+    for (s, L), ks in sorted(cells.items(), key=lambda kv: (families.MINI_SCHEMES.index(kv[0][0]), kv[0][1])):
+        groups.setdefault(tuple(sorted(ks)), []).append(f"{s} L = {L}")
+    lines = [f"- {len(ks)} seed{'s' if len(ks) > 1 else ''} ({_seed_list(ks)}): {', '.join(c)}"
+             for ks, c in sorted(groups.items(), key=lambda kv: -len(kv[0]))]
+    missing = {}
+    for r in results['runs']:
+        if r['status'] != 'finished':
+            missing.setdefault((r['scheme'], r['L']), []).append(r.get('seed', 0))
+    if missing:
+        lines.append(f"- planned, not finished ({sum(map(len, missing.values()))} runs): " + ', '.join(
+            f"{s} L = {L} seeds {_seed_list(ks)}" for (s, L), ks in missing.items()))
+    probed = {s: sorted(int(k) for k in v) for s, v in results['probes'].items()}
+    lines.append(f"- probes at L = {results['deepest']}: " + '; '.join(
+        f"{s} seeds {_seed_list(probed[s])}" for s in families.MINI_SCHEMES if s in probed))
+    return "\n".join(lines)
+
+
+def format_loss(results):
+    """Validation loss per scheme (columns) and depth (rows): mean ± s.e. (seeds)."""
+    done = _finished(results)
+    schemes = [s for s in families.MINI_SCHEMES if any(r['scheme'] == s for r in done)]
+    lines = ["| L (d/L) | " + " | ".join(schemes) + " |", "|---" * (len(schemes) + 1) + "|"]
+    for L in sorted({r['L'] for r in done}):
+        ratio = next(r['ratio'] for r in done if r['L'] == L)
+        cells = []
+        for s in schemes:
+            m, se, n = paired([r['val_loss'] for r in done if r['scheme'] == s and r['L'] == L])
+            cells.append('–' if m is None else f"{m:.3f}" + ('' if se is None else f" ± {se:.3f}") + f" ({n})")
+        lines.append(f"| {L} ({ratio:.0f}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_confounds(results):
+    """What else changes with L: the backbone and tokens, and each scheme's parameters over Pre-LN's."""
+    done = _finished(results)
+    by = {(r['scheme'], r['L']): r for r in done}
+    Ls = sorted({r['L'] for r in done})
+    if not Ls:
+        return "- no finished run"
+    lo, hi = by.get(('preln', Ls[0])), by.get(('preln', Ls[-1]))
+    lines = []
+    if lo and hi:
+        lines.append(f"- **The backbone is not fixed exactly**: {lo['backbone']:,} parameters at L = {Ls[0]}, "
+                     f"{hi['backbone']:,} at L = {Ls[-1]} ({hi['backbone'] / lo['backbone'] - 1:+.0%}); the budget "
+                     f"is per backbone parameter, so the tokens grow with it ({lo['tokens'] / 1e6:.2f}M → "
+                     f"{hi['tokens'] / 1e6:.2f}M, {hi['tokens'] / lo['tokens'] - 1:+.0%}). A depth contrast "
+                     f"therefore also compares a larger model trained on more tokens.")
+    for s in families.MINI_SCHEMES:
+        if s == 'preln':
+            continue
+        extra = [(L, by[(s, L)]['n_params'] / by[('preln', L)]['n_params'] - 1) for L in Ls
+                 if (s, L) in by and ('preln', L) in by and by[(s, L)].get('n_params') and by[('preln', L)].get('n_params')]
+        if extra:
+            lines.append(f"- {s}: " + ', '.join(f"{e:+.1%} at L = {L}" for L, e in extra) + " parameters over Pre-LN"
+                         + (f" (the paper's mHC: {PAPER['mhc_extra_params']:+.1%})" if s == 'mhc' else ''))
+    return "\n".join(lines)
+
+
+def format_verdicts(rows):
+    """The findings grouped by verdict, one line per verdict, generated from the rows."""
+    tested = sum(r['p'] is not None for r in rows)
+    order = ('reproduces', 'opposite', 'differs from the paper', "bounded below the paper's size",
+             'not resolved at this scale', 'not testable here')
+    lines = [f"Of {len(rows)} rows, {tested} are tested (Holm over {tested}):"]
+    for v in order:
+        mine = [r for r in rows if r['verdict'] == v]
+        if not mine:
+            continue
+        lines.append(f"- **{v}** ({len(mine)}):")
+        for r in mine:
+            pct = 'R_' in r['statistic']
+            lines.append(f"  - {r['finding']}: " + (r['note'] if v == 'not testable here' else
+                         f"{_fmt(r['mean'], r['se'], r['n'], pct)}, p (Holm) {_p(r.get('p_holm'))}"))
+    return "\n".join(lines)
+
+
+def format_timing(results):
+    """The recorded wall time and machine of the runs that have them."""
+    timed = [r for r in _finished(results) if r.get('wall_s')]
+    untimed = len(_finished(results)) - len(timed)
+    if not timed:
+        return f"- no run carries a recorded wall time ({untimed} finished runs)"
+    lines = []
+    for L in sorted({r['L'] for r in timed}):
+        w = [r['wall_s'] / 60 for r in timed if r['L'] == L]
+        lines.append(f"- L = {L}: {len(w)} timed runs, {min(w):.0f}–{max(w):.0f} minutes of wall time each "
+                     f"({next(r['iter'] for r in timed if r['L'] == L)} steps)")
+    machines = sorted({(m.get('cpu'), m.get('cpus'), m.get('threads'), m.get('platform'))
+                       for m in (r.get('machine') or {} for r in timed)}, key=str)
+    for cpu, cpus, threads, plat in machines:
+        lines.append(f"- machine: {cpu}, {cpus} logical CPUs, OMP_NUM_THREADS={threads} per run, {plat}")
+    lines.append(f"- total {sum(r['wall_s'] for r in timed) / 3600:.1f} process-hours over {len(timed)} runs; "
+                 f"{untimed} finished runs carry no recorded wall time")
+    return "\n".join(lines)
+
+
+def doc_blocks(results):
+    """{block name: markdown} for docs/mini.md, all generated from `results`."""
+    rows = findings(results)
+    return {'seeds': format_seeds(results), 'loss': format_loss(results), 'confounds': format_confounds(results),
+            'findings': format_findings(rows), 'verdicts': format_verdicts(rows),
+            'probes': format_probes(results), 'timing': format_timing(results)}
+
+
+def render_doc(text, results):
+    """`text` with every <!-- begin NAME --> ... <!-- end NAME --> block replaced by doc_blocks'.
+    Raises ValueError naming a block the text lacks."""
+    import re
+    for name, body in doc_blocks(results).items():
+        pat = re.compile(rf"(<!-- begin {name} -->\n).*?(<!-- end {name} -->)", re.S)
+        if not pat.search(text):
+            raise ValueError(f"docs/mini.md has no <!-- begin {name} --> ... <!-- end {name} --> block")
+        text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+    return text
+
+
+# -----------------------------------------------------------------------------
 # figures
 
-def plot_probes(results, path):
-    """One figure of the deepest models' probe numbers per scheme: bars = mean over seeds,
-    error bars ± 1 s.e., dots = seeds; the paper's values as black ticks where it gives them."""
+def _t_interval(vals):
+    """(mean, half-width of the 95% Student interval, n) of a list; half-width None below 2 values."""
+    t = t_test(vals)
+    return t['mean'], (None if t['hi'] is None else t['hi'] - t['mean']), t['n']
+
+
+def _plt():
     import matplotlib
-    matplotlib.use('Agg')
+    matplotlib.use('Agg')  # files only
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_loss(results, rows, path):
+    """
+    Two panels. Left: validation loss against depth L (log axis) per scheme, the mean over
+    seeds with its 95% t-interval (unpaired: the spread of single runs) and a dot per seed.
+    Right: the paired loss findings (rows: findings()'s), mean with its 95% t-interval, and
+    the paper's effect scaled to this loss (x) where it has one. Writes a PNG to path.
+    """
+    plt = _plt()
+    from study.sweep import _scheme_color
+    done = _finished(results)
+    if not done:
+        return
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw=dict(width_ratios=(1, 1.25)))
+    schemes = [s for s in families.MINI_SCHEMES if any(r['scheme'] == s for r in done)]
+    for j, s in enumerate(schemes):
+        Ls = sorted({r['L'] for r in done if r['scheme'] == s})
+        shift = 2 ** (0.04 * (j - (len(schemes) - 1) / 2))  # a small offset per scheme: bars stay apart
+        pts = []
+        for L in Ls:
+            vals = [r['val_loss'] for r in done if r['scheme'] == s and r['L'] == L]
+            m, h, n = _t_interval(vals)
+            pts.append((L * shift, m, h, n))
+            ax.plot([L * shift] * n, vals, '.', color=_scheme_color(s), ms=3, alpha=0.5)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], '-', color=_scheme_color(s), label=s)
+        for x, m, h, n in pts:
+            ax.errorbar(x, m, yerr=h, fmt='o', color=_scheme_color(s), capsize=3)
+            ax.annotate(f"{n}", (x, m), textcoords='offset points', xytext=(4, -9), fontsize=6, color=_scheme_color(s))
+    ax.set_xscale('log', base=2)
+    Ls = sorted({r['L'] for r in done})
+    first = {L: next(r for r in done if r['L'] == L) for L in Ls}
+    ax.set_xticks(Ls, [f"L = {L}\nd = {first[L]['d']}\nd/L = {first[L]['ratio']:.0f}" for L in Ls], fontsize=7)
+    ax.minorticks_off()
+    ax.set_xlabel('depth L (log scale, base 2); the backbone grows with L (title)')
+    ax.set_ylabel('validation loss (nats / byte)')
+    ax.set_title('loss per run shape: mean over seeds, bars = 95% t-interval\n'
+                 '(unpaired), dots = single seeds, small numbers = seeds', fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    loss_rows = [r for r in rows if r['statistic'].startswith(('loss', 'depth cost'))]
+    for i, r in enumerate(loss_rows):
+        y = len(loss_rows) - 1 - i
+        if r['mean'] is not None:
+            h = None if r['hi'] is None else r['hi'] - r['mean']
+            bx.errorbar(r['mean'], y, xerr=h, fmt='o', color='k', capsize=3)
+        if r['paper_effect'] is not None:
+            bx.plot(r['paper_effect'], y, 'x', color='C3', ms=8, mew=2,
+                    label="the paper's effect scaled to this loss" if i == 0 else None)
+    bx.axvline(0, color='gray', lw=0.8)
+    bx.set_yticks(range(len(loss_rows)), [textwrap_fill(f"{r['finding']} (n = {r['n']})", 52)
+                                          for r in reversed(loss_rows)], fontsize=6.5)
+    bx.set_xlabel('paired difference in validation loss (nats / byte); < 0: lower loss')
+    bx.set_title('paired loss findings: mean over seeds, bars = 95% t-interval', fontsize=9)
+    bx.grid(axis='x', alpha=0.3)
+    if any(r['paper_effect'] is not None for r in loss_rows):
+        bx.legend(fontsize=7, loc='lower right')
+    sizes = sorted({(r['L'], r['backbone'], r['total']) for r in done})
+    fig.suptitle(f"mini-DepthBench: byte-level text, {results['tokens_per_backbone_param']:g} tokens per backbone "
+                 f"parameter; backbone {sizes[0][1] / 1e6:.2f}-{sizes[-1][1] / 1e6:.2f}M, Pre-LN total "
+                 f"{sizes[0][2] / 1e6:.2f}-{sizes[-1][2] / 1e6:.2f}M parameters across L", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def textwrap_fill(text, width):
+    import textwrap
+    return textwrap.fill(text, width)
+
+
+def plot_probes(results, rows, path):
+    """
+    Top: the deepest models' probe numbers per scheme, bars = mean over seeds with its 95%
+    t-interval (unpaired), dots = seeds. Bottom: the paired probe findings (rows:
+    findings()'s) against Pre-LN, mean with its 95% t-interval. No paper marks: the paper
+    measures 400M models at L = 32 (erank across its shapes), not comparable to these models.
+    """
+    plt = _plt()
     from study.sweep import _scheme_color
     pr = results['probes']
-    panels = [('R_causal', 'late pairs with C > 0.45', 'share of late pairs', PAPER['R_causal']),
-              ('R_perm', 'late pairs with P > 0.15', 'share of late pairs', PAPER['R_perm']),
-              ('prune_late', 'drop one late block', 'held-out loss added (nats/byte)', None),
-              ('erank', 'erank of the composed residual map', 'effective rank (m = 4 max)',
-               {k: sum(v) / 2 for k, v in PAPER['erank'].items()})]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    for ax, (key, title, ylabel, paper) in zip(axes, panels):
+    L = results['deepest']
+    panels = [('R_causal', f'late pairs with causal score > 0.45\n(of {late_pairs(L)} at L = {L})',
+               'share of late pairs'),
+              ('R_perm', f'late pairs with permutation score > 0.15\n(of {late_pairs(L)} at L = {L})',
+               'share of late pairs'),
+              ('prune_late', 'drop one late block\n(mean over blocks l >= L/4)', 'held-out loss added (nats / byte)'),
+              ('erank', 'effective rank of the composed residual map\n(at most m = 4; 4 = identity init)',
+               'effective rank')]
+    fig = plt.figure(figsize=(17, 8.6), layout='constrained')
+    top, bottom = fig.subfigures(2, 1, height_ratios=(1, 0.85))
+    axd = dict(zip('0123', top.subplots(1, 4)))
+    axd.update(zip('RP', bottom.subplots(1, 2)))
+    for j, (key, title, ylabel) in enumerate(panels):
+        ax = axd[str(j)]
         schemes = [s for s in families.MINI_SCHEMES if any(v.get(key) is not None for v in pr.get(s, {}).values())]
         for i, s in enumerate(schemes):
             vals = [v[key] for v in pr[s].values() if v.get(key) is not None]
-            m, se, n = paired(vals)
-            ax.bar(i, m, color=_scheme_color(s), alpha=0.7, yerr=se or 0, capsize=4)
+            m, h, n = _t_interval(vals)
+            ax.bar(i, m, color=_scheme_color(s), alpha=0.7, yerr=h or 0, capsize=4)
             ax.plot([i] * n, vals, 'k.', ms=4)
-            if paper and s in paper:
-                ax.plot([i - 0.35, i + 0.35], [paper[s]] * 2, 'k-', lw=2)
-        ax.set_xticks(range(len(schemes)), schemes, rotation=30, fontsize=8)
-        ax.set_title(title, fontsize=9)
+        if key.startswith('R_'):
+            ax.set_ylim(0, 1)  # a share; an interval reaching past [0, 1] is cut at the frame
+        ax.set_xticks(range(len(schemes)), [f"{s}\n(n = {len(pr[s])})" for s in schemes], fontsize=7, rotation=30)
+        ax.set_title(title, fontsize=8.5)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(axis='y', alpha=0.3)
-    fig.suptitle(f"mini-DepthBench, L = {results['deepest']} models: bars = mean over seeds ± 1 s.e., "
-                 f"dots = seeds, black bars = the paper's value at L = 32", fontsize=8, y=0.01, va='bottom')
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    for name, pick, xlabel in (('R', lambda r: r['statistic'].startswith('R_'),
+                                'paired difference in the share of late pairs (scheme minus Pre-LN)'),
+                               ('P', lambda r: r['statistic'].startswith('held-out'),
+                                'paired difference in held-out loss added (nats / byte; scheme minus Pre-LN)')):
+        ax = axd[name]
+        mine = [r for r in rows if pick(r)]
+        for i, r in enumerate(mine):
+            y = len(mine) - 1 - i
+            if r['mean'] is not None:
+                ax.errorbar(r['mean'], y, xerr=None if r['hi'] is None else r['hi'] - r['mean'], fmt='o', color='k',
+                            capsize=3)
+        ax.axvline(0, color='gray', lw=0.8)
+        ax.set_ylim(-0.6, len(mine) - 0.4)
+        ax.set_yticks(range(len(mine)), [textwrap_fill(f"{r['finding']} (n = {r['n']})", 48) for r in reversed(mine)],
+                      fontsize=7)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_title('paired findings: mean over seeds, bars = 95% t-interval', fontsize=8.5)
+        ax.grid(axis='x', alpha=0.3)
+    fig.suptitle(f"mini-DepthBench probes of the L = {L} models. Top: mean over seeds with its 95% t-interval "
+                 f"(unpaired), dots = single seeds. Bottom: the paired findings", fontsize=9)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def report(results, out_dir):
-    """Prints the findings and probe tables and writes the figures into out_dir."""
-    from study import sweep
+    """Prints the loss, findings and probe tables and writes the figures into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
-    rows = results['runs']
-    print(sweep.format_summary(rows))
-    print()
-    print(format_findings(findings(results)))
-    print()
-    print(format_probes(results))
+    rows = findings(results)
+    for text in (format_loss(results), format_findings(rows), format_verdicts(rows), format_probes(results)):
+        print(text + "\n")
     written = [os.path.join(out_dir, 'loss_vs_ratio.png'), os.path.join(out_dir, 'probes.png')]
-    sweep.plot_loss_vs_ratio([(f"mini: fixed backbone ≈0.8M, byte-level text, "
-                               f"{results['tokens_per_backbone_param']:g} tokens per backbone parameter",
-                               sweep._with_loss(rows))], written[0])
+    plot_loss(results, rows, written[0])
     if results['probes']:
-        plot_probes(results, written[1])
+        plot_probes(results, rows, written[1])
     for p in written:
         if os.path.exists(p):
             print(f"wrote {p}")
@@ -426,7 +726,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--results', help="read this results.json instead of out/mini (e.g. the committed "
                                      f"{RESULTS}); nothing is probed or written but the figures")
-    p.add_argument('--seeds', type=int, default=3)
+    p.add_argument('--seeds', type=int, default=N_SEEDS, help=f"seed indices 0..N-1 to collect ({N_SEEDS})")
+    p.add_argument('--train', action='store_true', help="first train and probe the planned runs (PLAN) that "
+                                                          "are not finished, seed by seed")
+    p.add_argument('--seed', default=None, help="with --train: only these seed indices, e.g. 3,5,7")
+    p.add_argument('--schemes', default=None, help="with --train: only these schemes, e.g. preln,hc")
+    p.add_argument('--shapes', default=None, help="with --train: only these depths L, e.g. 4,8")
     p.add_argument('--probe', default=True, type=lambda s: s.lower() == 'true', help="probe what is missing (True)")
     p.add_argument('--out', default=None, help=f"where results.json and the figures go ({os.path.dirname(RESULTS)}; "
                                                "with --results, the figures only, to out/mini)")
@@ -440,13 +745,40 @@ def main(argv=None):
             return 2
         a.out = a.out or os.path.join('out', 'mini')  # the committed figures stay as they are
     else:
-        if a.probe:
+        if a.train:
+            try:
+                pick = [None if x is None else [y.strip() for y in x.split(',') if y.strip()]
+                        for x in (a.seed, a.schemes, a.shapes)]
+                seeds, shapes = [None if x is None else {int(y) for y in x} for x in (pick[0], pick[2])]
+            except ValueError:
+                print("error: --seed and --shapes take comma-separated integers, e.g. --seed=3,5 --shapes=4,8",
+                      file=sys.stderr)
+                return 2
+            if not planned(seeds, pick[1], shapes):
+                print(f"error: no planned run has seed {a.seed}, scheme {a.schemes} and L {a.shapes} (PLAN in "
+                      f"study/mini.py)", file=sys.stderr)
+                return 2
+            failures = train(seeds, pick[1], shapes, a.probe)
+        elif a.probe:
             failures = probe_missing(ROOT, a.seeds)
         results = collect(ROOT, a.seeds)
         a.out = a.out or os.path.dirname(RESULTS)
         os.makedirs(os.path.join(ROOT, a.out), exist_ok=True)
-        with open(os.path.join(ROOT, a.out, 'results.json'), 'w') as f:
+        path = os.path.join(ROOT, a.out, 'results.json')
+        with open(path + '.tmp', 'w') as f:
             json.dump(results, f, indent=1)
+        os.replace(path + '.tmp', path)
+        if a.out == os.path.dirname(RESULTS):  # the committed results: docs/mini.md's blocks follow them
+            doc = os.path.join(ROOT, 'docs', 'mini.md')
+            try:
+                with open(doc) as f:
+                    text = render_doc(f.read(), results)
+            except (OSError, ValueError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            with open(doc, 'w') as f:
+                f.write(text)
+            print(f"wrote {doc}")
     report(results, os.path.join(ROOT, a.out))
     return 1 if failures else 0
 

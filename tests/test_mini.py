@@ -7,6 +7,7 @@ Run: python -m pytest tests/test_mini.py -q
 
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -174,15 +175,54 @@ committed = pytest.mark.skipif(not COMMITTED.exists(), reason=f"{mini.RESULTS} i
 
 
 @committed
-def test_docs_quote_the_committed_results():
+def test_docs_are_generated_from_the_committed_results():
     results = json.loads(COMMITTED.read_text())
     doc = (ROOT / 'docs' / 'mini.md').read_text()
+    assert mini.render_doc(doc, results) == doc, "docs/mini.md's blocks differ from the committed results: " \
+        "run python study/mini.py --probe=False"
     for line in mini.format_findings(mini.findings(results)).splitlines()[2:]:
-        assert line in doc, f"docs/mini.md lacks the finding row {line!r}"
-    for line in mini.format_probes(results).splitlines()[2:]:
-        assert line in doc, f"docs/mini.md lacks the probe row {line!r}"
+        assert line in doc
     seeds = {r['seed'] for r in results['runs'] if r['status'] == 'finished'}
-    assert len(seeds) == 3 and results['tokens_per_backbone_param'] == families.MINI_TOKENS_PER_PARAM
+    assert seeds >= {0, 1, 2} and results['tokens_per_backbone_param'] == families.MINI_TOKENS_PER_PARAM
+    planned = {(s, L, k) for k, s, L in mini.planned()}
+    assert {(r['scheme'], r['L'], r['seed']) for r in results['runs']} == planned
+
+
+def test_render_doc_names_a_missing_block():
+    with pytest.raises(ValueError, match='begin loss'):
+        mini.render_doc("<!-- begin seeds -->\n<!-- end seeds -->\n", {'runs': [], 'probes': {}, 'deepest': 8})
+
+
+def test_the_plan_and_its_splits():
+    assert len(mini.planned()) == 42 + 30 and mini.N_SEEDS == 8
+    assert mini.planned(seeds={3}, shapes={8}) == [(3, 'preln', 8), (3, 'attnres', 8), (3, 'hc', 8)]
+    assert mini.planned(seeds={1}, schemes=['blockattnres']) == [(1, 'blockattnres', 4), (1, 'blockattnres', 8)]
+    assert mini.planned(seeds={4}, schemes=['mhc']) == []       # seeds 3-7 are Pre-LN, Full AttnRes and HC only
+
+
+def _finish(root, run, loss, wall=None):
+    d = root / run.out_dir
+    d.mkdir(parents=True)
+    (d / 'summary.json').write_text(json.dumps({'finished': True, 'val_loss': loss, 'iter': 491, 'max_iters': 491,
+                                                'tokens': 2011136, 'n_params': 869760}))
+    if wall is not None:
+        sweep.record_wall_time(run, str(root), wall)
+        sweep.record_wall_time(run, str(root), 1.5)            # a resumed run sums its launches
+
+
+def test_collect_keeps_the_prior_results_and_adds_out(tmp_path):
+    pre4 = next(r for r in families.runs('mini', ['preln'], [4]))
+    prior = {'family': 'mini', 'tokens_per_backbone_param': 2.5, 'deepest': 8, 'probes': {'hc': {'0': {'erank': 3.5}}},
+             'runs': [dict(sweep.read_result(pre4, str(tmp_path)), seed=0, status='finished', val_loss=1.75)]}
+    _finish(tmp_path, sweep.seeded(pre4, 3), 1.70, wall=60.0)
+    res = mini.collect(str(tmp_path), prior=prior)
+    by = {(r['scheme'], r['L'], r['seed']): r for r in res['runs']}
+    assert len(res['runs']) == len(mini.planned())
+    assert by[('preln', 4, 0)]['val_loss'] == 1.75 and by[('preln', 4, 0)]['status'] == 'finished'   # from prior
+    new = by[('preln', 4, 3)]
+    assert (new['val_loss'], new['status'], new['iter']) == (1.70, 'finished', 491)                # from out/
+    assert new['wall_s'] == 61.5 and new['machine']['cpus'] == os.cpu_count()
+    assert by[('hc', 8, 5)]['status'] == 'missing' and res['probes'] == prior['probes']
 
 
 @committed
