@@ -286,11 +286,12 @@ ERANK_MAX = 4  # m, the streams of HC and mHC: the effective rank of an m x m ma
 def findings(results):
     """
     The table rows: dicts with finding, paper (the paper's number as text), paper_effect (the
-    paper's effect on this study's scale, None where it gives no size), paper_sign, the
+    paper's effect on this study's scale, None where it gives no size or the measure is on
+    another scale, as the late-pair shares of these shallow models are), paper_sign, the
     t_test fields (mean, se, n, t, p, lo, hi), p_holm, verdict, statistic, and note (why a row
     is not testable, or its unit in late pairs). A loss effect is scaled by the ratio of
     losses: the paper's difference over its Pre-LN loss at the same shape (Fig. 2), times this
-    study's Pre-LN mean loss at the matching shape; shares of late pairs are compared as they are.
+    study's Pre-LN mean loss at the matching shape.
     """
     loss = {}  # (scheme, L, seed) -> val loss
     for r in results['runs']:
@@ -321,7 +322,7 @@ def findings(results):
     cost = {s: P['loss_L32'][s] - P['loss_L16'][s] for s in ('preln', 'attnres', 'hc')}
     for (L1, L2), tag in ((CONTRAST, ''), (MATCHED, ', d/L-matched')):
         add(f"Pre-LN: extra depth costs loss (L {L1} -> {L2}{tag}; paper 16 -> 32)", f"{cost['preln']:+.3f}",
-            [depth_cost('preln', k, L1, L2) for k in seeds], +1, 'loss(L2) - loss(L1), per seed',
+            [depth_cost('preln', k, L1, L2) for k in seeds], +1, 'loss at the deeper shape minus the shallower, per seed',
             scaled(cost['preln'], 16, L1))
         for s, name in (('attnres', 'Full AttnRes'), ('hc', 'HC')):
             d = cost[s] - cost['preln']
@@ -347,7 +348,7 @@ def findings(results):
             pairs = sorted(round(x * n_late) for x in diffs)
             add(f"{name}: more late pairs with {label} than Pre-LN (L {L}; paper 32)",
                 f"{P[key][s]:.0%} vs {P[key]['preln']:.0%}", probe_diff(key, s, 'preln'), +1,
-                f"{key} difference, paired by seed", P[key][s] - P[key]['preln'],
+                f"{key} difference, paired by seed",
                 note=f"seeds differ by {', '.join(f'{q:+d}' for q in pairs)} of {n_late} late pairs" if diffs else '')
     low = [probe('blockattnres', k, 'low_use_sublayers') for k in seeds]
     depths = [results['deepest']] if any(x is not None for x in low) else []
@@ -629,7 +630,7 @@ def plot_loss(results, rows, path):
     bx.set_yticks(range(len(loss_rows)), [textwrap_fill(f"{r['finding']} (n = {r['n']})", 52)
                                           for r in reversed(loss_rows)], fontsize=6.5)
     bx.set_xlabel('paired difference in validation loss (nats / byte); < 0: lower loss')
-    bx.set_title('paired loss findings: mean over seeds, bars = 95% t-interval', fontsize=9)
+    bx.set_title('paired loss findings: mean over seeds, bars = 95% t-interval\n(per row, before Holm\'s correction)', fontsize=9)
     bx.grid(axis='x', alpha=0.3)
     if any(r['paper_effect'] is not None for r in loss_rows):
         bx.legend(fontsize=7, loc='lower right')
