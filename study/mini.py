@@ -2,8 +2,9 @@
 Mini-DepthBench, answered (docs/mini.md): the study's questions at CPU scale, with seeds,
 every probe on the deepest models, and each finding beside the paper's number.
 
-    python study/sweep.py family=mini seeds=3     # trains the runs, then calls this file's report()
-    python study/mini.py                          # probe what is missing, collect, table, figures
+    python study/mini.py --train                  # trains and probes the planned runs (PLAN), then reports
+    python study/mini.py --train --seed=3,5       # a share of the plan (also --schemes, --shapes)
+    python study/mini.py                          # probe what is missing, collect, tables, figures, docs/mini.md
     python study/mini.py --results=docs/mini/results.json   # tables from a results file, figures to out/mini
 
 The sweep is paired: seed k gives every scheme and shape the same data order (train.py's
@@ -64,17 +65,17 @@ def planned(seeds=None, schemes=None, shapes=None):
 
 def train(seeds=None, schemes=None, shapes=None, probe=True, root=ROOT):
     """Trains the planned runs (finished ones skipped, interrupted ones resumed: study/sweep.py),
-    seed by seed, probing each seed's L = DEEPEST models after its runs. Returns failures."""
+    seed by seed, the deepest shape first (it serves every probe row and the deepest-shape
+    rows), probing each L = DEEPEST model as soon as it finishes. Returns the failures."""
     from study import sweep
     todo = planned(seeds, schemes, shapes)
     failures = []
     for k in dict.fromkeys(t[0] for t in todo):
-        mine = [(s, L) for kk, s, L in todo if kk == k]
-        for L in sorted({L for _, L in mine}):
-            failures += sweep.sweep('mini', schemes=[s for s, LL in mine if LL == L], shapes=[L], seed=k, seeds=k + 1,
-                                    root=root)
-        if probe:
-            failures += probe_missing(root, N_SEEDS, only={k})
+        for L in sorted({L for kk, _, L in todo if kk == k}, reverse=True):
+            for s in [s for kk, s, LL in todo if kk == k and LL == L]:
+                failures += sweep.sweep('mini', schemes=[s], shapes=[L], seed=k, seeds=k + 1, root=root)
+                if probe and L == DEEPEST:
+                    failures += probe_missing(root, N_SEEDS, only={k})
     return failures
 
 
@@ -559,7 +560,7 @@ def render_doc(text, results):
         pat = re.compile(rf"(<!-- begin {name} -->\n).*?(<!-- end {name} -->)", re.S)
         if not pat.search(text):
             raise ValueError(f"docs/mini.md has no <!-- begin {name} --> ... <!-- end {name} --> block")
-        text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+        text = pat.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
     return text
 
 
@@ -572,13 +573,6 @@ def _t_interval(vals):
     return t['mean'], (None if t['hi'] is None else t['hi'] - t['mean']), t['n']
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use('Agg')  # files only
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def plot_loss(results, rows, path):
     """
     Two panels. Left: validation loss against depth L (log axis) per scheme, the mean over
@@ -586,8 +580,8 @@ def plot_loss(results, rows, path):
     Right: the paired loss findings (rows: findings()'s), mean with its 95% t-interval, and
     the paper's effect scaled to this loss (x) where it has one. Writes a PNG to path.
     """
+    from study.sweep import _plt, _scheme_color
     plt = _plt()
-    from study.sweep import _scheme_color
     done = _finished(results)
     if not done:
         return
@@ -627,7 +621,7 @@ def plot_loss(results, rows, path):
             bx.plot(r['paper_effect'], y, 'x', color='C3', ms=8, mew=2,
                     label="the paper's effect scaled to this loss" if i == 0 else None)
     bx.axvline(0, color='gray', lw=0.8)
-    bx.set_yticks(range(len(loss_rows)), [textwrap_fill(f"{r['finding']} (n = {r['n']})", 52)
+    bx.set_yticks(range(len(loss_rows)), [_fill(f"{r['finding']} (n = {r['n']})", 52)
                                           for r in reversed(loss_rows)], fontsize=6.5)
     bx.set_xlabel('paired difference in validation loss (nats / byte); < 0: lower loss')
     bx.set_title('paired loss findings: mean over seeds, bars = 95% t-interval\n(per row, before Holm\'s correction)', fontsize=9)
@@ -643,7 +637,7 @@ def plot_loss(results, rows, path):
     plt.close(fig)
 
 
-def textwrap_fill(text, width):
+def _fill(text, width):
     import textwrap
     return textwrap.fill(text, width)
 
@@ -655,8 +649,8 @@ def plot_probes(results, rows, path):
     findings()'s) against Pre-LN, mean with its 95% t-interval. No paper marks: the paper
     measures 400M models at L = 32 (erank across its shapes), not comparable to these models.
     """
+    from study.sweep import _plt, _scheme_color
     plt = _plt()
-    from study.sweep import _scheme_color
     pr = results['probes']
     L = results['deepest']
     panels = [('R_causal', f'late pairs with causal score > 0.45\n(of {late_pairs(L)} at L = {L})',
@@ -697,7 +691,7 @@ def plot_probes(results, rows, path):
                             capsize=3)
         ax.axvline(0, color='gray', lw=0.8)
         ax.set_ylim(-0.6, len(mine) - 0.4)
-        ax.set_yticks(range(len(mine)), [textwrap_fill(f"{r['finding']} (n = {r['n']})", 48) for r in reversed(mine)],
+        ax.set_yticks(range(len(mine)), [_fill(f"{r['finding']} (n = {r['n']})", 48) for r in reversed(mine)],
                       fontsize=7)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_title('paired findings: mean over seeds, bars = 95% t-interval', fontsize=8.5)

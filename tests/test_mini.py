@@ -254,3 +254,22 @@ def test_results_flag_draws_into_out_not_over_the_committed_figures(tmp_path, mo
     assert mini.main([f'--results={COMMITTED}']) == 0
     assert (tmp_path / 'out' / 'mini' / 'probes.png').exists()
     assert not (tmp_path / 'docs').exists()
+
+
+def test_train_goes_seed_by_seed_deepest_first_and_probes_each_deep_model(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sweep, 'sweep', lambda *a, **k: calls.append((k['seed'], k['schemes'], k['shapes'])) or [])
+    monkeypatch.setattr(mini, 'probe_missing', lambda root, n, only: calls.append(('probe', only)) or [])
+    assert mini.train(seeds={4, 3}, schemes=['preln', 'hc']) == []
+    assert calls == [(3, ['preln'], [8]), ('probe', {3}), (3, ['hc'], [8]), ('probe', {3}),
+                     (3, ['preln'], [4]), (3, ['hc'], [4]),
+                     (4, ['preln'], [8]), ('probe', {4}), (4, ['hc'], [8]), ('probe', {4}),
+                     (4, ['preln'], [4]), (4, ['hc'], [4])]
+
+
+@pytest.mark.parametrize('args, message', [(['--train', '--seed=x'], 'comma-separated integers'),
+                                            (['--train', '--seed=4', '--schemes=mhc'], 'no planned run')])
+def test_a_bad_training_choice_is_one_line(capsys, args, message):
+    assert mini.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('error: ') and message in err[0]
