@@ -44,7 +44,7 @@ PAPER = {
 
 
 # -----------------------------------------------------------------------------
-# probing the deepest model of every seed
+# the plan: training, and probing the deepest model of every seed
 
 # The study's runs: seeds 0-2 of every scheme and shape, and seeds 3-7 of the three schemes of
 # the paper's Fig. 2 at L = 4 and 8, the depth contrast and the probed shape (docs/mini.md).

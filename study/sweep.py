@@ -15,6 +15,7 @@ another, then collect the results and plot validation loss against shape.
   - out_dir/summary.json says finished  -> skipped;
   - out_dir/ckpt.pt exists               -> continued with --init_from=resume;
   - otherwise                            -> started.
+Each launch adds its wall time and the machine to out_dir/wall_time.json.
 A run that fails (non-zero exit, or exit 0 without a finished summary.json) does
 not stop the sweep; failures are listed at the end and the exit status is 1.
 Output of train.py streams to the terminal. Paths (config/, out/) are relative to
