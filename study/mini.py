@@ -533,7 +533,8 @@ def format_timing(results):
     lines = []
     for L in sorted({r['L'] for r in timed}):
         w = [r['wall_s'] / 60 for r in timed if r['L'] == L]
-        lines.append(f"- L = {L}: {len(w)} timed runs, {min(w):.0f}–{max(w):.0f} minutes of wall time each "
+        span = f"{min(w):.0f}" if round(min(w)) == round(max(w)) else f"{min(w):.0f}–{max(w):.0f}"
+        lines.append(f"- L = {L}: {len(w)} timed run{'s' if len(w) > 1 else ''}, {span} minutes of wall time each "
                      f"({next(r['iter'] for r in timed if r['L'] == L)} steps)")
     machines = sorted({(m.get('cpu'), m.get('cpus'), m.get('threads'), m.get('platform'))
                        for m in (r.get('machine') or {} for r in timed)}, key=str)
