@@ -15,6 +15,7 @@ another, then collect the results and plot validation loss against shape.
   - out_dir/summary.json says finished  -> skipped;
   - out_dir/ckpt.pt exists               -> continued with --init_from=resume;
   - otherwise                            -> started.
+Each launch adds its wall time and the machine to out_dir/wall_time.json.
 A run that fails (non-zero exit, or exit 0 without a finished summary.json) does
 not stop the sweep; failures are listed at the end and the exit status is 1.
 Output of train.py streams to the terminal. Paths (config/, out/) are relative to
@@ -52,16 +53,18 @@ delete those out_dirs (or use a copy of the repo) before the real sweep.
 
 import json
 import os
+import platform
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
 import checkpoint  # noqa: E402
 from study import families, mini  # noqa: E402
-from study.results import (_budget, _with_loss, format_summary, plot_loss_vs_ratio, plot_loss_vs_size,  # noqa: E402
+from study.results import (_budget, _read_json, _with_loss, format_summary, plot_loss_vs_ratio, plot_loss_vs_size,  # noqa: E402
                            read_all, run_status, seeded, summarize)
 
 ROOT = families.ROOT
@@ -152,6 +155,32 @@ def run_command(cmd, cwd):
         _running['child'] = None
 
 
+def machine():
+    """Where a run trains: {'platform', 'cpu' (model name), 'cpus' (logical), 'threads' (OMP_NUM_THREADS)}."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as f:
+            cpu = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), cpu)
+    except OSError:
+        pass
+    return {'platform': platform.platform(), 'cpu': cpu, 'cpus': os.cpu_count(),
+            'threads': os.environ.get('OMP_NUM_THREADS')}
+
+
+def record_wall_time(run, root, seconds):
+    """Adds `seconds` of this launch of a run to out_dir/wall_time.json ({'wall_s', 'launches',
+    'machine'}): a resumed run sums its launches."""
+    path = os.path.join(root, run.out_dir, 'wall_time.json')
+    if not os.path.isdir(os.path.dirname(path)):
+        return
+    had = _read_json(path) or {}
+    rec = {'wall_s': round(float(had.get('wall_s') or 0) + seconds, 1), 'launches': int(had.get('launches') or 0) + 1,
+           'machine': machine()}
+    with open(path + '.tmp', 'w') as f:
+        json.dump(rec, f, indent=1)
+    os.replace(path + '.tmp', path)
+
+
 def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_node=None, nnodes=1, root=None,
           seeds=1, seed=None):
     """
@@ -209,7 +238,9 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
             continue
         print(f"=== {head}: {'resuming' if status == 'interrupted' else 'starting'}\n$ {format_command(cmd)}", flush=True)
         _running['run'] = (r, root)
+        t0 = time.time()
         rc = run_command(cmd, root)
+        record_wall_time(r, root, time.time() - t0)
         if rc != 0:
             failures.append((r.name, f"exit status {rc}"))
         elif run_status(r, root) != 'finished':
