@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from study import families, mini, sweep  # noqa: E402
+from study import families, mini, results, sweep  # noqa: E402
 
 COMMITTED = ROOT / mini.RESULTS
 
@@ -213,8 +213,8 @@ def _finish(root, run, loss, wall=None):
 def test_collect_keeps_the_prior_results_and_adds_out(tmp_path):
     pre4 = next(r for r in families.runs('mini', ['preln'], [4]))
     prior = {'family': 'mini', 'tokens_per_backbone_param': 2.5, 'deepest': 8, 'probes': {'hc': {'0': {'erank': 3.5}}},
-             'runs': [dict(sweep.read_result(pre4, str(tmp_path)), seed=0, status='finished', val_loss=1.75)]}
-    _finish(tmp_path, sweep.seeded(pre4, 3), 1.70, wall=60.0)
+             'runs': [dict(results.read_result(pre4, str(tmp_path)), seed=0, status='finished', val_loss=1.75)]}
+    _finish(tmp_path, results.seeded(pre4, 3), 1.70, wall=60.0)
     res = mini.collect(str(tmp_path), prior=prior)
     by = {(r['scheme'], r['L'], r['seed']): r for r in res['runs']}
     assert len(res['runs']) == len(mini.planned())
