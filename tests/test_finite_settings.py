@@ -71,8 +71,8 @@ def test_train_refuses_non_finite_settings(tmp_path):
 def test_bench_refuses_non_finite_settings(capsys):
     import bench
     with pytest.raises(SystemExit) as e:
-        bench.main(['--gpu_budget_s=inf'])
-    assert str(e.value.code).startswith('error:') and 'gpu_budget_s = inf is not a finite number' in str(e.value.code)
+        bench.main(['--learning_rate=inf'])
+    assert str(e.value.code).startswith('error:') and 'learning_rate = inf is not a finite number' in str(e.value.code)
 
 
 @pytest.mark.parametrize('value', ['nan', 'inf', '-inf', 'NaN', '1e999'])
