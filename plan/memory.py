@@ -19,13 +19,9 @@ from model import GPT, GPTConfig
 # what a training micro-step keeps: instruments
 
 
-def saved_activation_bytes(model, idx, targets, ctx=None):
-    """Bytes autograd keeps for backward after one forward pass of `model(idx, targets)`:
-    the sum of nbytes of the unique storages of the saved tensors, parameters and buffers
-    excluded (torch.autograd.graph.saved_tensors_hooks). Views of one storage count once,
-    so tensors that are alive anyway (a residual stream saved by two ops) count once too.
-    Autocast's low-precision copies of the weights are not parameters: they count."""
-    own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+def saved_storages(own):
+    """(seen, pack): `pack`, a saved_tensors_hooks pack hook, records in `seen` {data_ptr: bytes}
+    each storage autograd saves that is not in `own` (the weights), once however many views."""
     seen = {}
 
     def pack(t):
@@ -33,6 +29,17 @@ def saved_activation_bytes(model, idx, targets, ctx=None):
         if storage.data_ptr() not in own:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
+    return seen, pack
+
+
+def saved_activation_bytes(model, idx, targets, ctx=None):
+    """Bytes autograd keeps for backward after one forward pass of `model(idx, targets)`:
+    the sum of nbytes of the unique storages of the saved tensors, parameters and buffers
+    excluded (torch.autograd.graph.saved_tensors_hooks). Views of one storage count once,
+    so tensors that are alive anyway (a residual stream saved by two ops) count once too.
+    Autocast's low-precision copies of the weights are not parameters: they count."""
+    own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    seen, pack = saved_storages(own)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx or contextlib.nullcontext():
         _, loss = model(idx, targets)
@@ -116,13 +123,7 @@ def step_bytes(model, idx, ctx=None):
       timeline  the bytes alive after each op (`LiveBytes`, or `AllocatedBytes` on CUDA)"""
     own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())
            + [p.grad for p in model.parameters() if p.grad is not None]}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+    seen, pack = saved_storages(own)
 
     tracker = AllocatedBytes(idx.device) if idx.device.type == 'cuda' else LiveBytes(own)
     with tracker:

@@ -219,6 +219,17 @@ def test_sigterm_says_where_a_resume_starts_and_keeps_the_checkpoint(data_dir, t
     assert not list(out.glob('*.tmp'))
 
 
+def sigterm_when(p, ready):
+    """Sends SIGTERM to process p once ready() holds; returns its (stdout, stderr)."""
+    try:
+        wait_for(ready, p)
+        p.send_signal(signal.SIGTERM)
+        return p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_sweep_stops_its_train_py_and_says_where_it_resumes(data_dir, tmp_path):
     """study/sweep.py (its ROOT a fake checkout whose train.py runs the real one) gets SIGTERM
@@ -238,14 +249,8 @@ def test_sigterm_to_the_sweep_stops_its_train_py_and_says_where_it_resumes(data_
     p = subprocess.Popen([sys.executable, '-c', code], cwd=REPO, env=ENV, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = root / 'out' / 'mini' / 'preln_L2'
-    try:
-        wait_for(lambda: (out / 'ckpt.pt').exists() and (out / 'metrics.jsonl').exists() and
-                 any(m.get('iter', 0) >= 6 for m in metrics(out)), p)
-        p.send_signal(signal.SIGTERM)
-        stdout, stderr = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    stdout, stderr = sigterm_when(p, lambda: (out / 'ckpt.pt').exists() and (out / 'metrics.jsonl').exists() and
+                                  any(m.get('iter', 0) >= 6 for m in metrics(out)))
     assert p.returncode == 128 + signal.SIGTERM and 'Traceback' not in stderr, stderr[-2000:]
     it = checkpoint.load_checkpoint(out / 'ckpt.pt')['iter_num']
     assert len(lines(stdout, 'terminated (SIGTERM) at iteration')) == 1, stdout[-2000:]  # train.py's line
