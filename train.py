@@ -26,6 +26,7 @@ docs/training.md says what a run keeps and how it stops on a fault.
 """
 
 import datetime
+import difflib
 import json
 import math
 import os
@@ -316,7 +317,9 @@ if vocab_size is None:
 def model_args_of_config():
     """GPTConfig fields (resolved: n_kv_head, ffn_hidden) of the current settings; one line if invalid."""
     if residual not in RESIDUALS:
-        fail(f"unknown residual={residual!r}; known: {', '.join(RESIDUALS)}")
+        close = difflib.get_close_matches(str(residual).lower(), RESIDUALS, n=2)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ''
+        fail(f"unknown residual={residual!r}{hint}; known: {', '.join(RESIDUALS)}")
     try:
         return asdict(GPTConfig(**{k: globals()[k] for k in MODEL_KEYS}))
     except (ValueError, TypeError) as e:

@@ -619,21 +619,22 @@ def plot_loss(results, rows, path):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     loss_rows = [r for r in rows if r['statistic'].startswith(('loss', 'depth cost'))]
+    marked = [i for i, r in enumerate(loss_rows) if r['paper_effect'] is not None]
     for i, r in enumerate(loss_rows):
         y = len(loss_rows) - 1 - i
         if r['mean'] is not None:
             h = None if r['hi'] is None else r['hi'] - r['mean']
             bx.errorbar(r['mean'], y, xerr=h, fmt='o', color='k', capsize=3)
-        if r['paper_effect'] is not None:
+        if r['paper_effect'] is not None:  # one legend entry, on the first marked row
             bx.plot(r['paper_effect'], y, 'x', color='C3', ms=8, mew=2,
-                    label="the paper's effect scaled to this loss" if i == 0 else None)
+                    label="the paper's effect scaled to this loss" if i == marked[0] else None)
     bx.axvline(0, color='gray', lw=0.8)
     bx.set_yticks(range(len(loss_rows)), [_fill(f"{r['finding']} (n = {r['n']})", 52)
                                           for r in reversed(loss_rows)], fontsize=6.5)
     bx.set_xlabel('paired difference in validation loss (nats / byte); < 0: lower loss')
     bx.set_title('paired loss findings: mean over seeds, bars = 95% t-interval\n(per row, before Holm\'s correction)', fontsize=9)
     bx.grid(axis='x', alpha=0.3)
-    if any(r['paper_effect'] is not None for r in loss_rows):
+    if marked:
         bx.legend(fontsize=7, loc='lower right')
     sizes = sorted({(r['L'], r['backbone'], r['total']) for r in done})
     fig.suptitle(f"mini-DepthBench: byte-level text, {results['tokens_per_backbone_param']:g} tokens per backbone "

@@ -218,9 +218,10 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
     if run == 'local':  # one clear error instead of one failed run per config
         for dataset in dict.fromkeys(r.config['dataset'] for r in todo):
             if not os.path.exists(os.path.join(root, 'data', dataset, 'train.bin')):
-                tok = ' --tokenizer byte' if dataset.endswith('_byte') else ''
+                # the byte-level data of the mini family is the sample that ships in data/sample/
+                how = '--sample --tokenizer byte' if dataset.endswith('_byte') else '--input YOUR_SHARDS'
                 raise FileNotFoundError(f"data/{dataset}/train.bin not found: prepare it first, e.g. "
-                                        f"python data/fineweb_edu/prepare.py --input YOUR_SHARDS{tok} (see README)")
+                                        f"python data/fineweb_edu/prepare.py {how} (see README)")
     launcher, python = (['torchrun'], 'python') if run == 'print' else (None, sys.executable)
     failures = []
     for i, r in enumerate(todo, 1):

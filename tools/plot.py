@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -143,9 +144,15 @@ def plot_runs(runs, out_path, labels=None):
         ax.xaxis.set_major_formatter(EngFormatter(sep=''))  # 300k, 1.2M tokens
 
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = f"{out_path}.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, out_path)
+    # a temporary name of its own, so that two plots of one run never write the same file
+    fd, tmp = tempfile.mkstemp(suffix='.png', prefix='.plot-', dir=os.path.dirname(os.path.abspath(out_path)))
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     plt.close(fig)
     return fig
 
