@@ -238,24 +238,6 @@ def test_sinkhorn_eps_and_order_are_liger_kernel_s():
     assert (sinkhorn(z, 5, 'plain', 0.0) - sinkhorn(z, 5, 'liger', 0.0)).abs().max() > 1e-4
 
 
-def test_sinkhorn_rejects_bad_input():
-    for iters in (0, 2.5, True, torch.tensor(3)):
-        with pytest.raises(ValueError, match='rounds'):
-            sinkhorn(torch.zeros(4, 4), iters)
-    with pytest.raises(ValueError, match='order'):
-        sinkhorn(torch.zeros(4, 4), 3, 'sinkhorn_log')
-    with pytest.raises(ValueError, match='eps'):
-        sinkhorn(torch.zeros(4, 4), 3, 'liger', -1e-6)
-
-
-@pytest.mark.parametrize('iters', [0, 2.5, 2.0, True])
-def test_mhc_rejects_bad_sinkhorn_iters(iters):
-    """A bad mhc_sinkhorn_iters is a ValueError when the model is built (2.5 used to fail
-    with a TypeError deep in the first forward; True ran one round)."""
-    with pytest.raises(ValueError, match='mhc_sinkhorn_iters must be an int >= 1'):
-        make('mhc', n_layer=1, n_embd=32, mhc_sinkhorn_iters=iters)
-
-
 def test_mhc_sinkhorn_iterations_default_to_20_in_training():
     """Paper Appendix A, docs/schemes.md: 20 Sinkhorn-Knopp iterations; the training script's default
     (a literal in train.py) and GPTConfig's agree, and the built model uses them."""
@@ -594,3 +576,24 @@ def test_mhc_h_res_is_liger_kernel_s_on_wide_logits():
             no_eps = sinkhorn(z.transpose(-1, -2), 20, 'liger', eps=0.0)  # Liger's order, no eps
             assert (ours - no_eps).abs().max().item() > 1e-3
             assert (ours - Study.sinkhorn_log(z.transpose(-1, -2))).abs().max().item() > 1e-3
+
+
+# -----------------------------------------------------------------------------
+# bad input: one clear error
+
+def test_sinkhorn_rejects_bad_input():
+    for iters in (0, 2.5, True, torch.tensor(3)):
+        with pytest.raises(ValueError, match='rounds'):
+            sinkhorn(torch.zeros(4, 4), iters)
+    with pytest.raises(ValueError, match='order'):
+        sinkhorn(torch.zeros(4, 4), 3, 'sinkhorn_log')
+    with pytest.raises(ValueError, match='eps'):
+        sinkhorn(torch.zeros(4, 4), 3, 'liger', -1e-6)
+
+
+@pytest.mark.parametrize('iters', [0, 2.5, 2.0, True])
+def test_mhc_rejects_bad_sinkhorn_iters(iters):
+    """A bad mhc_sinkhorn_iters is a ValueError when the model is built (2.5 used to fail
+    with a TypeError deep in the first forward; True ran one round)."""
+    with pytest.raises(ValueError, match='mhc_sinkhorn_iters must be an int >= 1'):
+        make('mhc', n_layer=1, n_embd=32, mhc_sinkhorn_iters=iters)

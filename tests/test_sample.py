@@ -1,6 +1,7 @@
 """sample.py: deterministic with a seed, crops the context to block_size, greedy decoding of a
-model trained (here, in a few seconds) on a repeated sentence reproduces the sentence, and bad
-inputs are one line. Run: python -m pytest tests/test_sample.py -q"""
+model trained (here, in a few seconds) on a repeated sentence reproduces the sentence, the
+vocabulary's padding ids are never drawn (even when the most likely, also from a real
+checkpoint), and bad inputs are one line. Run: python -m pytest tests/test_sample.py -q"""
 
 import math
 import subprocess

@@ -1,5 +1,8 @@
-"""train.py end to end on CPU: loss goes down, exact resume, DDP == accumulation, bad inputs.
-train.py is a script, so each case runs it in a subprocess on a tiny dataset the test writes.
+"""train.py end to end on CPU: loss goes down, exact resume, bad inputs, a NaN gradient never
+applied, and the numbers a run depends on against hand formulas (LR schedule, gradient
+clipping, fp16 loss scaling, accumulation, --auto_batch's batches). train.py is a script, so
+each case runs it in a subprocess on a tiny dataset the test writes; the helpers here
+(`data_dir`, `train`, `train_injected`, ...) serve the other train.py test files too.
 Run: python -m pytest tests/test_train.py -q"""
 
 import ast
