@@ -6,7 +6,7 @@ $DIST_RECORD.<rank>.json at exit:
            tensors made before a cut and used after it (0 when the pieces share only the
            graph's inputs; None when it was not cut)
 DDP's buckets are made tiny (DIST_BUCKET_BYTES, default 1 KiB) so that every graph holding
-two parameters or more is cut. Used by tests/test_multi_gpu.py:
+two parameters or more is cut. Used by tests/test_distributed.py:
     torchrun --nproc_per_node=2 tests/dist_record.py --fsdp=True ..."""
 
 import atexit

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -226,6 +227,22 @@ def test_arc_easy_acc_and_acc_norm(tmp_path):
     assert again['pred_norm'] == res['pred_norm']
     with pytest.raises(ValueError, match='prepare_pairs'):
         evals.arc_easy_accuracy(unigram_logits_fn(probs), enc, items, pairs=evals.prepare_pairs(enc, items[:2]))
+
+def test_arc_ties_go_to_the_first_choice():
+    """A uniform model: every continuation token has log-prob -ln 257, so a choice of n
+    characters (plus the leading space) scores -(n + 1) ln 257, -(n + 1)/n ln 257 per character.
+    acc picks the shortest, acc_norm the longest; equal lengths tie exactly, and the first wins."""
+    items = [{'prompt': 'Q: a?\nAnswer:', 'choices': ['ab', 'cd', 'ef'], 'gold': 2},
+             {'prompt': 'Q: b?\nAnswer:', 'choices': ['abc', 'de', 'fg'], 'gold': 2},
+             {'prompt': 'Q: c?\nAnswer:', 'choices': ['x', 'yyy', 'zzz'], 'gold': 1}]
+    r = evals.arc_easy_accuracy(lambda idx: torch.zeros(*idx.shape, 257), ByteEnc(), items, batch_size=2)
+    lp = -math.log(257)
+    assert r['logprobs'] == [pytest.approx([(len(c) + 1) * lp for c in it['choices']]) for it in items]
+    assert r['pred'] == [0, 1, 0] and r['pred_norm'] == [0, 0, 1]
+    assert r['acc'] == pytest.approx(0.0) and r['acc_norm'] == pytest.approx(1 / 3)
+    for it, lps, p, pn in zip(items, r['logprobs'], r['pred'], r['pred_norm']):  # numpy's argmax: the first
+        assert p == int(np.argmax(lps)) and pn == int(np.argmax([v / len(c) for v, c in zip(lps, it['choices'])]))
+
 
 # -----------------------------------------------------------------------------
 # domain NLL

@@ -1,4 +1,4 @@
-"""Backbone tests: parameter counts, the AttnRes zero-init identity, causality, block orders.
+"""Backbone tests: parameter counts, the LM-head init, causality, block orders, MFU.
 Run: python -m pytest tests/test_model.py -q"""
 
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+import model
 from model import GPT, GPTConfig, apply_rope, ffn_hidden_size, rope_cache
-
-TINY = dict(n_layer=3, n_embd=64, n_head=4, vocab_size=101, block_size=32)
+from small_models import TINY, tiny
 
 
 def preln_formula(L, d, V, d_ff):
@@ -66,38 +66,15 @@ def test_rope_rotation_is_relative():
     assert dot(5, 3) != pytest.approx(dot(5, 4), abs=1e-3)
 
 
-def test_attnres_zero_init_equals_preln():
-    """Paper Appendix A, docs/schemes.md: with all pseudo-queries zero every read is the mean of its sources, whose
-    RMSNorm equals Pre-LN's residual stream's, so logits match Pre-LN with the same weights
-    (up to eps, which we make negligible)."""
-    torch.manual_seed(0)
-    pre = GPT(GPTConfig(norm_eps=1e-12, **TINY))
-    att = GPT(GPTConfig(norm_eps=1e-12, attnres_eps=1e-12, residual='attnres', **TINY))
-    missing, unexpected = att.load_state_dict(pre.state_dict(), strict=False)
-    assert not unexpected and all('_mix.' in k for k in missing)
-    with torch.no_grad():  # non-trivial norm gains, to check they are the shared pre-norms
-        for n, p in pre.named_parameters():
-            if n.endswith('norm.weight'):
-                p.uniform_(0.5, 1.5)
-        att.load_state_dict(pre.state_dict(), strict=False)
-    idx = torch.randint(0, 101, (2, 32))
-    torch.testing.assert_close(att(idx)[0], pre(idx)[0], rtol=1e-4, atol=1e-5)
-    # and it is a real identity: a non-zero query changes the output
-    with torch.no_grad():
-        att.residual.layers[1].mlp_mix.query.normal_()
-    assert (att(idx)[0] - pre(idx)[0]).abs().max() > 1e-3
-
-
-def test_attnres_queries_survive_reinit():
-    """A second init pass must not destroy the zero queries (docs/schemes.md)."""
-    m = GPT(GPTConfig(residual='attnres', **TINY))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_()
-    m.init_weights()
-    for layer in m.residual.layers:
-        assert layer.mlp_mix.query.abs().sum() == 0 and layer.out_mix.query.abs().sum() == 0
-    assert m.num_params() - GPT(GPTConfig(**TINY)).num_params() == 4 * TINY['n_layer'] * TINY['n_embd']
+@pytest.mark.parametrize('residual', ['preln', 'hc'])
+def test_lm_head_and_embedding_start_at_the_documented_init(residual):
+    """normal(0, 0.02) truncated at +-3 std (model.py): torch's default Linear init would give
+    std 1/sqrt(3 d) = 0.072 at d = 64, the embedding's default std 1."""
+    model = tiny(residual)
+    for name in ('lm_head', 'wte'):
+        w = getattr(model, name).weight
+        assert w.std().item() == pytest.approx(0.02 * 0.9866, rel=0.05), name  # std of the cut normal
+        assert w.abs().max().item() <= 0.06 + 1e-7 and abs(w.mean().item()) < 2e-3, name
 
 
 def perturbed(model):
@@ -139,16 +116,6 @@ def test_orders(residual):
         torch.testing.assert_close(skipped, dropped)
 
 
-def test_preln_skip_is_identity_block_and_record_states():
-    torch.manual_seed(3)
-    m = GPT(GPTConfig(**TINY)).eval()
-    idx = torch.randint(0, 101, (1, 8))
-    record = []
-    h = m.hidden(idx, record=record)
-    torch.testing.assert_close(record[0][0], m.wte(idx))
-    torch.testing.assert_close(record[-1][0], h)
-
-
 def test_configure_optimizers_groups():
     m = GPT(GPTConfig(residual='attnres', **TINY))
     # the study's optimizer (default): one decayed group over every AttnRes-model parameter
@@ -178,3 +145,25 @@ def test_old_checkpoint_configs_keep_their_readout():
 def test_mfu_is_none_on_cpu():
     from model import estimate_mfu
     assert estimate_mfu(GPT(GPTConfig(**TINY)), 1000.0, 32, 'cpu') is None
+
+
+@pytest.mark.parametrize('name, peak', [
+    ('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA H100 PCIe', 756e12), ('NVIDIA H100 NVL', 835e12),
+    ('NVIDIA H200', 989e12), ('NVIDIA H200 NVL', 835e12), ('NVIDIA GH200 480GB', 989e12),
+    ('NVIDIA A100-SXM4-80GB', 312e12), ('NVIDIA A100 80GB PCIe', 312e12), ('NVIDIA B200', 2250e12),
+    ('NVIDIA L40S', 362e12), ('NVIDIA L4', 121e12), ('NVIDIA A10', 125e12),
+    ('NVIDIA GB200', None), ('NVIDIA A10G', None), ('NVIDIA H20', None), ('Tesla V100-SXM2-32GB', None),
+    ('NVIDIA RTX PRO 6000 Blackwell', None), ('Some Future GPU', None),
+])
+def test_mfu_peak_per_device_name(name, peak, monkeypatch):
+    """The dense bf16 peak of each name (a variant before its family: H100 PCIe is not an
+    H100 SXM, GB200 is not a B200), and None, hence no MFU, for one the table does not know."""
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: name)
+    assert model.peak_flops('cuda') == peak
+    gpt = model.GPT(model.GPTConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=16))
+    mfu = model.estimate_mfu(gpt, 1e6, 16, 'cuda')
+    assert (mfu is None) == (peak is None)
+    if peak:
+        assert mfu == pytest.approx(gpt.flops_per_token(16) * 1e6 / peak)
+    assert model.peak_flops('cpu') is None

@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import probe  # noqa: E402
 from probes import analysis as pa  # noqa: E402
 import residuals  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from small_models import move_off_init, small_model, small_tokens  # noqa: E402
 import test_probe  # noqa: E402  (the tiny-model helpers the probe tests share)
 from test_probe import V, T, randomize_scheme, windows, zero_blocks  # noqa: E402,F401
 
@@ -116,6 +118,64 @@ def test_jacobian_random_probes_estimate_within_their_error():
         assert 0 < est['se'][b] < 0.2 * exact[b]
     assert est['dim'] == 4 * 16  # HC: m * d
 
+def exact_jacobians(model, idx):
+    """J_l = d mean_q(z_{l+1, q}) / d u for z_l + u at every position (D x D), by autograd."""
+    Z, T = [], idx.size(1)
+    rec = []
+    with torch.no_grad():
+        model.hidden(idx, record=rec)
+    rope = (model.rope_cos[:T], model.rope_sin[:T])
+    for b in range(model.config.n_layer):
+        z = rec[b][0].detach()
+        Z.append(torch.autograd.functional.jacobian(
+            lambda u: model.residual.block(z + u, b, model.blocks[b], rope).mean((0, 1)), torch.zeros(z.size(-1))))
+    return [J.double() for J in Z]
+
+
+def test_jacobian_deviation_and_its_standard_error_from_the_exact_jacobian(monkeypatch):
+    """Exact mode: ||J - I||_F / sqrt(D) with s.e. 0. Probe mode: the probes the estimator drew
+    (read at torch.autograd.grad) and the exact J give r_k = ||(J^T - I) v_k||^2; the deviation is
+    sqrt(mean r / D), its s.e. std(r, n-1) / sqrt(k) / (2 sqrt(D mean r)) (delta method)."""
+    model = move_off_init(small_model('preln', L=2, d=8))
+    idx = small_tokens(B=2, T=6)
+    Js = exact_jacobians(model, idx)
+    D = Js[0].size(0)
+    r = pa.jacobian_deviation(model, idx, n_probes=0)
+    want = [((J - torch.eye(D, dtype=torch.float64)).norm() / math.sqrt(D)).item() for J in Js]
+    assert r['exact'] and r['se'] == [0.0, 0.0] and r['deviation'] == pytest.approx(want, rel=1e-4)
+    seen, grad = [], torch.autograd.grad
+
+    def spy(out, inp, v, **kw):
+        seen.append(v[0, 0].detach().double().clone())
+        return grad(out, inp, v, **kw)
+    monkeypatch.setattr(torch.autograd, 'grad', spy)
+    K = 5
+    r = pa.jacobian_deviation(model, idx, batch_size=4, n_probes=K, seed=3)
+    monkeypatch.undo()
+    assert len(seen) == 2 * K  # one batch: block 0's K probes, then block 1's
+    for b, J in enumerate(Js):
+        V = torch.stack(seen[b * K:(b + 1) * K])  # (K, D) of +-1
+        assert set(V.abs().flatten().tolist()) == {1.0}
+        rk = ((V @ J - V) ** 2).sum(-1)  # (J^T - I) v = J^T v - v; rows of V @ J are (J^T v)^T
+        F2 = rk.mean()
+        assert r['deviation'][b] == pytest.approx(math.sqrt(F2 / D), rel=1e-4)
+        se = (rk.std(correction=1) / math.sqrt(K) / (2 * math.sqrt(F2 * D))).item()
+        assert r['se'][b] == pytest.approx(se, rel=1e-3), b
+
+
+def test_jacobian_standard_error_matches_the_spread_over_seeds():
+    """The s.e. is what it claims: over 60 probe seeds the deviation estimates scatter by about
+    the mean reported s.e. (4 probes each), and centre on the exact value."""
+    model = move_off_init(small_model('preln', L=1, d=8))
+    idx = small_tokens(B=1, T=6)
+    exact = pa.jacobian_deviation(model, idx, n_probes=0)['deviation'][0]
+    runs = [pa.jacobian_deviation(model, idx, n_probes=4, seed=s) for s in range(60)]
+    dev = np.array([x['deviation'][0] for x in runs])
+    se = np.mean([x['se'][0] for x in runs])
+    assert 0.6 < dev.std(ddof=1) / se < 1.6, (dev.std(ddof=1), se)
+    assert abs(dev.mean() - exact) < 3 * dev.std(ddof=1) / math.sqrt(len(dev)) + 0.02 * exact
+
+
 # -----------------------------------------------------------------------------
 # usefulness
 
@@ -144,6 +204,46 @@ def test_usefulness_replacement_of_identity_block_is_exact():
     model = zero_blocks(tiny('preln'), [0])
     r = pa.usefulness(model, windows(4))
     assert r['loss_ratio'][0] == pytest.approx(1.0, abs=1e-5)
+
+def states_of(model, idx):
+    rec = []
+    with torch.no_grad():
+        model.hidden(idx, record=rec)
+    return [z.flatten(0, 1).double() for z, _ in rec]  # L+1 of (N, D)
+
+
+@torch.no_grad()
+def test_usefulness_fit_and_loss_equal_a_centred_least_squares_by_hand():
+    """Embeddings of mean zero over the windows' tokens and branches 5x their init scale, so that
+    block 0's output has a mean its input lacks: an affine fit and a linear one differ. R^2
+    (1 - SS_res / SS_tot about the mean) and the loss with block b replaced by the fit equal a
+    fit on centred states, b = mean(Y) - mean(X) W, continued through the later blocks by hand."""
+    model = small_model('preln', L=3)
+    idx = small_tokens(B=3, T=12)
+    model.wte.weight.sub_(model.wte(idx).mean((0, 1)))
+    for blk in model.blocks:
+        blk.attn.wo.weight.mul_(5)
+        blk.mlp.w_down.weight.mul_(5)
+    r = pa.usefulness(model, idx, batch_size=2)
+    Z, (B, T), L = states_of(model, idx), idx.shape, 3
+    rope = (model.rope_cos[:T], model.rope_sin[:T])
+
+    def loss(h):
+        return F.cross_entropy(model.head(h)[:, :-1].flatten(0, 1).float(), idx[:, 1:].flatten()).item()
+    assert r['loss'] == pytest.approx(loss(model.hidden(idx)), rel=1e-5)
+    for b in range(L):
+        X, Y = Z[b], Z[b + 1]
+        Xm, Ym = X.mean(0), Y.mean(0)
+        W = torch.linalg.lstsq(X - Xm, Y - Ym, driver='gelsd').solution
+        pred = (X - Xm) @ W + Ym
+        r2 = 1 - ((pred - Y) ** 2).sum() / ((Y - Ym) ** 2).sum()
+        assert r['fit_r2'][b] == pytest.approx(r2.item(), rel=1e-6, abs=1e-9), b
+        h = pred.float().view(B, T, -1)
+        for k in range(b + 1, L):
+            h = model.residual.block(h, k, model.blocks[k], rope)
+        assert r['linear_loss'][b] == pytest.approx(loss(h), rel=1e-5), b
+        assert r['loss_ratio'][b] == pytest.approx(r['linear_loss'][b] / r['loss'], rel=1e-9)
+
 
 # -----------------------------------------------------------------------------
 # token collapse

@@ -1,7 +1,9 @@
 """sample.py: deterministic with a seed, crops the context to block_size, greedy decoding of a
-model trained (here, in a few seconds) on a repeated sentence reproduces the sentence, and bad
-inputs are one line. Run: python -m pytest tests/test_sample.py -q"""
+model trained (here, in a few seconds) on a repeated sentence reproduces the sentence, the
+vocabulary's padding ids are never drawn (even when the most likely, also from a real
+checkpoint), and bad inputs are one line. Run: python -m pytest tests/test_sample.py -q"""
 
+import math
 import subprocess
 import sys
 from dataclasses import asdict
@@ -95,6 +97,58 @@ def test_greedy_decoding_of_a_trained_model_reproduces_the_pattern(tmp_path):
     [text] = sample.main([f'--init_from={ckpt}', '--device=cpu', '--start=the quick', '--num_samples=1',
                           '--max_new_tokens=80', '--temperature=0'])
     assert text == ('the quick' + (PATTERN * 3)[len('the quick'):])[:len('the quick') + 80]
+
+
+class FixedLogits(torch.nn.Module):
+    """A 'model' whose next-token logits are always `logits` (V,), whatever the context."""
+
+    def __init__(self, logits, block_size=8):
+        super().__init__()
+        self.logits = logits
+        self.config = type('cfg', (), {'block_size': block_size})()
+
+    def hidden(self, idx):
+        return torch.zeros(idx.size(0), idx.size(1), 1)
+
+    def head(self, h):
+        return self.logits.expand(h.size(0), h.size(1), -1).clone()
+
+
+def test_padding_ids_are_never_chosen_even_when_most_likely():
+    """Ids 10..15 are padding (n_vocab = 10) and get the largest logits. Greedy picks the best
+    real id; top_k = 3 draws only among the 3 best real ids, with the softmax's frequencies;
+    top_k = 0 draws only real ids."""
+    logits = torch.tensor([0.0, 2.0, -1.0, 1.5, 0.3, 1.8, -2.0, 0.0, 0.5, -0.5] + [9.0] * 6)
+    model, n = FixedLogits(logits), 10
+    x = torch.zeros(1, 1, dtype=torch.long)
+    assert sample.generate(model, x, 5, temperature=0, n_vocab=n)[0, 1:].tolist() == [1] * 5
+    gen = torch.Generator().manual_seed(0)
+    drawn = sample.generate(model, x.expand(400, 1), 1, temperature=1.0, top_k=3, n_vocab=n, generator=gen)[:, 1]
+    top3 = [1, 5, 3]  # the three largest real logits: 2.0, 1.8, 1.5
+    assert set(drawn.tolist()) == set(top3)
+    p = torch.softmax(logits[top3], 0)
+    freq = torch.tensor([(drawn == i).float().mean().item() for i in top3])
+    assert (freq - p).abs().max() < 4 * math.sqrt(0.25 / 400)
+    drawn = sample.generate(model, x.expand(400, 1), 1, temperature=2.0, top_k=0, n_vocab=n, generator=gen)[:, 1]
+    assert drawn.max() < n and len(set(drawn.tolist())) >= 8
+
+
+def test_sample_py_masks_the_padding_rows_of_a_real_checkpoint(tmp_path):
+    """A byte-level model (257 real ids) with 300 embedding rows whose padding rows dominate
+    every logit: greedy decoding through sample.main writes only real ids (here id 0, the
+    largest real logit, each step); without the mask it would pick a padding row and fail."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=300, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    with torch.no_grad():  # real rows 0; padding rows +u, -u, +u, ...: one of them is > 0 for any state
+        model.lm_head.weight.zero_()
+        u = torch.randn(16)
+        model.lm_head.weight[257:] = torch.tensor([(-1.0) ** i for i in range(43)])[:, None] * u
+    ckpt = tmp_path / 'ckpt.pt'
+    torch.save({'model': model.state_dict(), 'model_args': dict(model.config.__dict__), 'iter_num': 0,
+                'config': {'dataset': 'nowhere'}, 'tokenizer': 'byte'}, ckpt)
+    [text] = sample.main([f'--init_from={ckpt}', '--device=cpu', '--start=ab', '--num_samples=1',
+                          '--max_new_tokens=6', '--temperature=0'])
+    assert text == 'ab' + '\x00' * 6
 
 
 def one_line_error(args, *words):

@@ -11,8 +11,10 @@ names its parameters. `study_weights` maps our parameters onto those names (one 
 every parameter of ours is used once), and the logits of both must agree to 1e-5 in fp32,
 at init and with every parameter randomised. The weight-decay groups follow the study's
 optimizer (examples/pretrain_llama_base.py: one AdamW, weight_decay 0.1 over all
-parameters, minus the patterns of HyperConnectionsConfig.static_parameter_patterns), and
-the init values its HC/mHC code and init test set. CPU, tiny shapes, a few seconds:
+parameters, minus the patterns of HyperConnectionsConfig.static_parameter_patterns). The
+cases of one scheme (the HC/mHC init values and Sinkhorn, the AttnRes init and eps) are in
+that scheme's file, tests/test_hyper_connections.py and tests/test_attnres.py, and use the
+transcription here. CPU, tiny shapes, a few seconds:
 
     python -m pytest tests/test_study_fidelity.py -q
 """
@@ -29,7 +31,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT, GPTConfig  # noqa: E402
-from residuals import sinkhorn  # noqa: E402
 
 TEN = ('preln', 'sandwich', 'lns', 'deepnorm', 'keel', 'hc', 'mhc', 'attnres', 'blockattnres', 'moda')
 V, L, D, H, M = 64, 3, 32, 2, 4      # vocab, blocks, width, heads, HC/mHC streams
@@ -406,45 +407,6 @@ def test_the_paper_forms_are_named_options_that_differ(scheme, change, min_gap):
     assert (other(idx)[0] - study_logits(model, idx)).abs().max().item() > max(min_gap, TOL)
 
 
-@torch.no_grad()
-def test_plain_mhc_sinkhorn_is_the_pytorch_backend_s():
-    """mhc_sinkhorn='plain' is the study's PyTorch mHC backend: sinkhorn_log (per-input sums
-    first, per-output last, no eps) on H_res stored (in, out), as ours."""
-    model, idx = make('mhc', mhc_sinkhorn='plain'), tokens()
-    for step in range(2):
-        if step:
-            randomise(model)
-        ours, theirs = model(idx)[0], study_logits(model, idx, mhc_backend='plain')
-        assert (ours - theirs).abs().max().item() <= TOL
-    assert (ours - study_logits(model, idx)).abs().max().item() > 1e-4   # and it is not Liger's
-
-
-@torch.no_grad()
-def test_mhc_h_res_is_liger_kernel_s_on_wide_logits():
-    """H_res itself against liger_kernel's Sinkhorn (order and the 1e-6 on entries and
-    denominators), with routing parameters wide enough (spread of the logits ~10) that the
-    eps floor and the order both change H_res by more than 1e-3."""
-    model = make('mhc')
-    g = torch.Generator().manual_seed(3)
-    for n, p in model.residual.named_parameters():
-        if '_route.' in n:
-            p.copy_(torch.randn(p.shape, generator=g) * 3.0)
-    H = torch.randn(2, 5, M, D, generator=g)
-    W = study_weights(model)
-    for b in range(L):
-        for side, conn in (('attn', 'attention_hyper_connection'), ('mlp', 'feed_forward_hyper_connection')):
-            _, ours, _ = model.residual.coefficients(H, getattr(model.residual.layers[b], f'{side}_route'))  # (B, T, in, out)
-            w = lambda n: W[f'blocks.{b}.{conn}.{n}']  # noqa: E731
-            flat = H.reshape(2, 5, -1)
-            mix = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6) @ w('phi')
-            z = (mix[..., 2 * M:] * w('alpha_res') + w('b')[2 * M:]).view(2, 5, M, M)  # (out, in)
-            want = Study.liger_sinkhorn(z).transpose(-1, -2)
-            assert (ours - want).abs().max().item() <= 1e-5  # fp32 rounding of logits of size ~30
-            no_eps = sinkhorn(z.transpose(-1, -2), 20, 'liger', eps=0.0)  # Liger's order, no eps
-            assert (ours - no_eps).abs().max().item() > 1e-3
-            assert (ours - Study.sinkhorn_log(z.transpose(-1, -2))).abs().max().item() > 1e-3
-
-
 def study_decay_groups(model):
     """(decayed, exempt) study names: one AdamW over all parameters with weight_decay 0.1,
     and an override to 0 for HyperConnectionsConfig.static_parameter_patterns (HC:
@@ -478,60 +440,6 @@ def test_weight_decay_groups_are_the_study_s(scheme):
     assert all(p.dim() >= 2 for p in decay['params'])
     assert {by_id[id(p)] for p in decay['params']} == {s for s in study_decay_groups(model)[0] if W[s].dim() >= 2
                                                         and not s.endswith('res_proj.weight')}
-
-
-@pytest.mark.parametrize('scheme', ('hc', 'mhc'))
-@torch.no_grad()
-def test_multistream_init_values_are_the_study_s(scheme):
-    """HC: HyperConnection.reset_parameters (selected stream = layer_index % m with
-    layer_index = 2 block_idx + sublayer); mHC: mhc_initialization_test (newest code):
-    phi = 0, pre bias +8 / -8, post bias 0, residual bias -8 (1 - I), gates 0.01.
-    And scale_output_init_by_sqrt_n on both: attention-out and w2 over sqrt(m)."""
-    model = make(scheme)
-    W = study_weights(model)
-    for b in range(L):
-        for j, conn in enumerate(('attention_hyper_connection', 'feed_forward_hyper_connection')):
-            w = lambda n: W[f'blocks.{b}.{conn}.{n}']  # noqa: E731
-            sel = (2 * b + j) % M
-            if scheme == 'hc':
-                static = torch.zeros(M, M + 1)
-                static[sel, 0] = 1.0
-                static[:, 1:] = torch.eye(M)
-                assert torch.equal(w('static_alpha'), static) and torch.equal(w('static_beta'), torch.ones(M))
-                assert not w('dynamic_alpha_proj').any() and not w('dynamic_beta_proj').any()
-                assert w('dynamic_alpha_scale').item() == w('dynamic_beta_scale').item() == pytest.approx(0.01)
-            else:
-                pre = torch.full((M,), -8.0)
-                pre[sel] = 8.0
-                assert torch.count_nonzero(w('phi')) == 0
-                assert torch.equal(w('b')[:M], pre) and torch.equal(w('b')[M:2 * M], torch.zeros(M))
-                assert torch.equal(w('b')[2 * M:].view(M, M), -8.0 * (1 - torch.eye(M)))
-                assert all(w(g).item() == pytest.approx(0.01) for g in ('alpha_pre', 'alpha_post', 'alpha_res'))
-    plain = make(scheme, hc_out_init_scale=False)  # same draws without the scaling
-    for b in range(L):
-        for n in ('attention.w_out.weight', 'feed_forward.w2.weight'):
-            torch.testing.assert_close(W[f'blocks.{b}.{n}'], study_weights(plain)[f'blocks.{b}.{n}'] / math.sqrt(M),
-                                       rtol=0, atol=0)
-    # the earlier study code's +8 diagonal stays an option
-    old = study_weights(make('mhc', mhc_init='gap8_diag8'))['blocks.0.attention_hyper_connection.b'][2 * M:]
-    assert torch.equal(old.view(M, M), 8.0 * torch.eye(M) - 8.0 * (1 - torch.eye(M)))
-
-
-@pytest.mark.parametrize('scheme', ('attnres', 'blockattnres'))
-def test_attnres_init_and_eps(scheme):
-    """Zero pseudo-queries, unit key gains (the blocks' nn.init.zeros_ and RMSNorm ones);
-    the eps of the depth reads is OLMo-core's RMSNorm default 1e-5, block 0's attention
-    norm keeps the configs' 1e-6."""
-    model = make(scheme)
-    W = study_weights(model)
-    for s, p in W.items():
-        if s.endswith('res_proj.weight'):
-            assert not p.any()
-        if s.endswith('res_norm.weight'):
-            assert torch.equal(p, torch.ones_like(p))
-    assert model.config.attnres_eps == STUDY_RMS_DEFAULT and model.config.norm_eps == EPS
-    assert all(layer.mlp_mix.key_norm.eps == STUDY_RMS_DEFAULT for layer in model.residual.layers)
-
 
 
 @pytest.mark.parametrize('scheme', ('hc', 'mhc', 'attnres'))

@@ -1,11 +1,17 @@
-"""train.py end to end on CPU: loss goes down, exact resume, DDP == accumulation, bad inputs.
-train.py is a script, so each case runs it in a subprocess on a tiny dataset the test writes.
+"""train.py end to end on CPU: loss goes down, exact resume, bad inputs, a NaN gradient never
+applied, and the numbers a run depends on against hand formulas (LR schedule, gradient
+clipping, fp16 loss scaling, accumulation, --auto_batch's batches). train.py is a script, so
+each case runs it in a subprocess on a tiny dataset the test writes; the helpers here
+(`data_dir`, `train`, `train_injected`, ...) serve the other train.py test files too.
 Run: python -m pytest tests/test_train.py -q"""
 
+import ast
 import json
+import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +54,27 @@ def train_losses(out):
     return [(m['iter'], m['train_loss']) for m in metrics(out) if 'train_loss' in m]
 
 
+def train_injected(inject, *args):
+    """Runs train.py with `inject` (Python source, run first in the same process) patching a library."""
+    code = (f"import runpy, sys\nsys.argv = ['train.py'] + {list(args)!r}\n{textwrap.dedent(inject)}\n"
+            f"runpy.run_path('train.py', run_name='__main__')\n")
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    return subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def load(path):
+    return torch.load(path, weights_only=True)
+
+
+def lines(text, start):
+    return [line for line in text.splitlines() if line.startswith(start)]
+
+
+def val_rows(out):
+    return [(m['iter'], m['val_loss']) for m in metrics(out) if 'val_loss' in m]
+
+
 @pytest.mark.parametrize('residual', ['preln', 'attnres'])
 def test_thirty_iterations_lower_the_loss(residual, data_dir, tmp_path):
     out = tmp_path / 'out'
@@ -84,85 +111,6 @@ def test_resume_is_bit_identical(data_dir, tmp_path):
     va = [m['val_loss'] for m in metrics(tmp_path / 'a') if 'val_loss' in m]
     vb = [m['val_loss'] for m in metrics(tmp_path / 'b') if 'val_loss' in m]
     assert va == vb
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize('sharding', ['--fsdp=False', '--fsdp=True'])
-def test_ddp_two_processes_equal_accumulation(sharding, data_dir, tmp_path):
-    """2 gloo processes x 1 micro-step == 1 process x 2 micro-steps (same batches, averaged
-    gradients), with DDP and with FSDP2 (fully_shard); the validation loss is over the same
-    eval_iters batches (3: one rank scores two, the other one)."""
-    common = [*TINY, f'--data_dir={data_dir}', '--max_iters=6', '--eval_interval=100', '--eval_iters=3']
-    train(*common, f'--out_dir={tmp_path / "single"}')
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                        'train.py', *common, sharding, f'--out_dir={tmp_path / "ddp"}'],
-                       cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    single, ddp = train_losses(tmp_path / 'single'), train_losses(tmp_path / 'ddp')
-    assert [i for i, _ in single] == [i for i, _ in ddp]
-    np.testing.assert_allclose([l for _, l in ddp], [l for _, l in single], rtol=1e-5)
-    assert single[-1][1] < single[0][1]
-    val = [[m['val_loss'] for m in metrics(tmp_path / o) if 'val_loss' in m] for o in ('single', 'ddp')]
-    assert len(val[0]) == 2                                 # at iteration 0 and 6
-    np.testing.assert_allclose(val[1], val[0], rtol=1e-5)
-
-
-def read_wandb_history(run_dir):
-    """The history rows of an offline W&B run: its run-*.wandb file is a LevelDB-style log
-    (7-byte file header, then records of crc32, length, type in 32 KiB blocks) of protobuf
-    Records. Returns {step: {key: value}}."""
-    import struct
-    from wandb.proto import wandb_internal_pb2 as pb
-    [path] = Path(run_dir).glob('run-*.wandb')
-    data, pos, buf, steps = path.read_bytes(), 7, b'', {}
-    assert data[:4] == b':W&B'
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
-            pos += 32768 - pos % 32768
-            continue
-        _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
-        if length == kind == 0:
-            break
-        buf, pos = buf + data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind in (1, 4):  # a whole record, or its last piece
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            buf = b''
-            if rec.WhichOneof('record_type') == 'history':
-                row = {(i.key or '/'.join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
-                steps.setdefault(row['_step'], {}).update(row)
-    return steps
-
-
-def test_wandb_offline_logs_the_metrics_rows_from_rank_0_only(data_dir, tmp_path):
-    """Under torchrun with 2 processes and WANDB_MODE=offline: one W&B run, whose history at
-    step `iter` holds every metrics.jsonl row's values, each block's statistics as its own key."""
-    pytest.importorskip('wandb')
-    out = tmp_path / 'wb'
-    env = dict(os.environ, OMP_NUM_THREADS='1', WANDB_MODE='offline', WANDB_SILENT='true')
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                        'train.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=4',
-                        '--eval_interval=2', '--log_interval=2', '--wandb_log=True', '--wandb_run_name=tiny'],
-                       cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    runs = list((out / 'wandb').glob('offline-run-*'))
-    assert len(runs) == 1  # rank 0 only
-    history = read_wandb_history(runs[0])
-    rows = metrics(out)
-    assert sorted(history) == sorted({m['iter'] for m in rows}) == [0, 2, 4]
-    for m in rows:
-        logged = history[m['iter']]
-        for k, v in m.items():
-            if isinstance(v, list):
-                assert [logged[f'{k}/{b}'] for b in range(len(v))] == pytest.approx(v)
-            elif v is not None and k != 'iter' and not (k == 'lr' and 'val_loss' in m):  # train row's lr
-                assert logged[k] == pytest.approx(v), k
-        if 'block_grad_norm' in m:
-            g = m['block_grad_norm']
-            assert logged['grad_first_last_ratio'] == pytest.approx(g[0] / g[-1])
-    r = train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "nowb"}', '--max_iters=2', '--eval_interval=2')
-    assert not (tmp_path / 'nowb' / 'wandb').exists()  # off by default
 
 
 def test_block_attnres_in_blocks_of_one_sublayer_says_it_is_full_attnres(data_dir, tmp_path):
@@ -243,6 +191,11 @@ def test_out_of_range_settings_give_one_line_errors(arg, expect, data_dir, tmp_p
     one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path}', arg, check=False), expect)
 
 
+def test_settings_checked_up_front(data_dir, tmp_path):
+    one_line_error(train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path}', '--dist_timeout=0', check=False),
+                   'dist_timeout=0 must be > 0')
+
+
 def test_nonfinite_loss_stops_with_diagnostic_checkpoint(data_dir, tmp_path):
     out = tmp_path / 'nan'
     r = train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=20', '--learning_rate=1e30',
@@ -306,24 +259,6 @@ def test_real_web_text(tmp_path):
     assert val[-1] < val[0] - 2.0  # from ln(50280) = 10.8 to below ~8.8 in 30k tokens
 
 
-def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(data_dir, tmp_path):
-    import signal
-    import time
-    out = tmp_path / 'int'
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    p = subprocess.Popen([sys.executable, 'train.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out}',
-                          '--max_iters=100000', '--eval_interval=2'], cwd=REPO, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not (out / 'ckpt.pt').exists() and time.time() < deadline and p.poll() is None:
-        time.sleep(0.2)
-    p.send_signal(signal.SIGINT)
-    stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 130, stderr[-2000:]
-    assert 'Traceback' not in stderr and 'interrupted at iteration' in stdout and '--init_from=resume' in stdout
-    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] >= 2  # whole, loadable
-
-
 def test_resuming_a_checkpoint_older_than_a_model_field_records_what_it_trains(data_dir, tmp_path):
     """A checkpoint written before mhc_sinkhorn existed was trained with the 'plain' Sinkhorn;
     its resume builds that model (GPTConfig.from_dict) and must record that value, not today's
@@ -340,3 +275,185 @@ def test_resuming_a_checkpoint_older_than_a_model_field_records_what_it_trains(d
           '--max_iters=3')
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['config']['mhc_sinkhorn'] == 'plain'
+
+
+# -----------------------------------------------------------------------------
+# non-finite gradients are never applied
+
+# NaN gradients on the n-th optimizer step (1-based), with the loss left finite
+NAN_GRAD_AT = """
+import torch
+_clip, _calls = torch.nn.utils.clip_grad_norm_, [0]
+def _nan_clip(params, *a, **k):
+    params = list(params)
+    _calls[0] += 1
+    if _calls[0] == {n}:
+        params[0].grad.fill_(float('nan'))
+    return _clip(params, *a, **k)
+torch.nn.utils.clip_grad_norm_ = _nan_clip
+"""
+
+
+def all_finite(state):
+    return all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_nan_gradient_with_finite_loss_is_never_applied_or_checkpointed(data_dir, tmp_path):
+    """The 4th step (iteration 3) gets NaN gradients just before the evaluation at 4: the
+    step is refused, ckpt.pt stays the good one of iteration 2, the diagnostic state is finite."""
+    out = tmp_path / 'run'
+    r = train_injected(NAN_GRAD_AT.format(n=4), *TINY, f'--data_dir={data_dir}', f'--out_dir={out}',
+                       '--max_iters=8', '--eval_interval=2')
+    one_line_error(r, 'non-finite gradient norm nan', 'at iteration 3', 'the update was not applied',
+                   f'resume from the last good {out}/ckpt.pt')
+    good = load(out / 'ckpt.pt')
+    assert good['iter_num'] == 2 and all_finite(good['model'])
+    diag = load(out / 'ckpt_nonfinite.pt')
+    assert diag['iter_num'] == 3 and all_finite(diag['model'])
+
+
+# -----------------------------------------------------------------------------
+# what a run's numbers depend on, against hand formulas: the LR schedule, gradient
+# clipping, fp16 loss scaling, accumulation, the batches of --auto_batch
+
+def hand_lr(it, peak, warmup, max_iters, floor):
+    """Linear warmup from peak/(warmup+1) (never 0) to peak, then cosine to floor x peak (paper Sec. 2.3)."""
+    if it < warmup:
+        return peak * (it + 1) / (warmup + 1)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (it - warmup) / (max_iters - warmup))))
+
+
+def test_lr_schedule_and_gradient_clipping_in_a_run(data_dir, tmp_path):
+    """The lr logged at every iteration equals the hand formula (warmup 3 of 12 iterations,
+    cosine to 10% of peak: 0.1 x peak at the end, never 0); a clip at 1e-12 leaves Adam's
+    update ~1e-6 of the lr (|g| << eps), so the validation loss stays where it started."""
+    out = tmp_path / 'run'
+    train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=12', '--eval_interval=12',
+          '--warmup_iters=3', '--learning_rate=1e-2', '--grad_clip=1e-12', '--weight_decay=0')
+    rows = [m for m in metrics(out) if 'train_loss' in m]
+    assert [m['iter'] for m in rows] == list(range(1, 13))
+    for m in rows:  # row of iteration i+1 holds the lr of step i
+        assert m['lr'] == pytest.approx(hand_lr(m['iter'] - 1, 1e-2, 3, 12, 0.1), rel=1e-12)
+    assert rows[0]['lr'] == pytest.approx(2.5e-3) and rows[3]['lr'] == pytest.approx(1e-2)
+    final = [m for m in metrics(out) if 'val_loss' in m][-1]
+    assert final['iter'] == 12 and final['lr'] == pytest.approx(1e-3)  # the floor, 10% of the peak
+    (v0, v12) = [v for _, v in val_rows(out)]
+    assert abs(v12 - v0) < 1e-3, (v0, v12)  # clipped to nothing: no learning
+
+
+# the fp16 loss scaler switched on where train.py runs fp32 (the CPU): losses scaled by 2^16
+SCALER_ON = """
+import torch
+_Scaler = torch.amp.GradScaler
+torch.amp.GradScaler = lambda device='cuda', enabled=True, **k: _Scaler(device, init_scale=2.0**16, enabled=True)
+"""
+
+
+def test_fp16_loss_scaling_is_taken_off_before_clipping(data_dir, tmp_path):
+    """With the fp16 loss scaler on (scale 2^16, exact in fp32), the gradients are unscaled
+    before they are clipped and logged: the gradient norms, per-block norms and losses equal a
+    run without scaling (clipped at 0.05, below every norm here). Clipping the scaled gradients
+    would log norms 2^16 times larger and shrink every update by 2^16."""
+    common = [*TINY, f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=100', '--grad_clip=0.05',
+              '--learning_rate=1e-2']
+    train(*common, f'--out_dir={tmp_path / "plain"}')
+    r = train_injected(SCALER_ON, *common, f'--out_dir={tmp_path / "scaled"}')
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert load(tmp_path / 'scaled' / 'ckpt.pt')['scaler']['scale'] == 2.0**16  # the scaler was on
+    plain, scaled = ([m for m in metrics(tmp_path / run) if 'train_loss' in m] for run in ('plain', 'scaled'))
+    assert [m['iter'] for m in scaled] == [1, 2, 3, 4]
+    assert all(m['grad_norm'] > 0.05 for m in plain)  # the clip binds at every step
+    for a, b in zip(plain, scaled):
+        assert b['grad_norm'] == pytest.approx(a['grad_norm'], rel=1e-5)
+        assert b['block_grad_norm'] == pytest.approx(a['block_grad_norm'], rel=1e-5)
+        assert b['train_loss'] == pytest.approx(a['train_loss'], rel=1e-6)
+    assert abs(plain[-1]['train_loss'] - plain[0]['train_loss']) > 1e-2  # the updates moved the loss
+
+
+def test_gradient_accumulation_equals_the_large_batch(data_dir, tmp_path):
+    """2 micro-steps of 4 sequences == 1 step of 8 (the same 8 chunks, the mean of two equal-
+    size means): the same training losses (to fp32 rounding), iteration by iteration."""
+    common = [a for a in TINY if not a.startswith(('--batch_size', '--gradient_accumulation_steps'))]
+    common += [f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=100']
+    train(*common, f'--out_dir={tmp_path / "acc"}', '--batch_size=4', '--gradient_accumulation_steps=2')
+    train(*common, f'--out_dir={tmp_path / "big"}', '--batch_size=8', '--gradient_accumulation_steps=1')
+    acc, big = train_losses(tmp_path / 'acc'), train_losses(tmp_path / 'big')
+    assert [i for i, _ in acc] == [1, 2, 3, 4]
+    np.testing.assert_allclose([l for _, l in acc], [l for _, l in big], rtol=2e-5)
+    assert abs(acc[-1][1] - acc[0][1]) > 1e-3  # the weights moved: the comparison covers the updates
+
+
+def train_defs(*names, **namespace):
+    """The named top-level functions / classes of train.py, defined in a namespace of their own
+    (train.py is a script: importing it would run it)."""
+    tree = ast.parse((REPO / 'train.py').read_text())
+    nodes = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in names]
+    assert sorted(n.name for n in nodes) == sorted(names)
+
+    def fail(msg):
+        raise SystemExit(f"error: {msg}")
+    g = {'np': np, 'torch': torch, 'os': os, 'math': math, 'fail': fail, 'device_type': 'cpu', 'device': 'cpu',
+         **namespace}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), 'train.py', 'exec'), g)
+    return g
+
+
+def test_lr_schedule_function_at_hand_computed_iterations():
+    g = train_defs('get_lr', learning_rate=2.0, warmup_iters=10, max_iters=110, min_lr_frac=0.1)
+    for it in (0, 1, 5, 9, 10, 11, 35, 60, 85, 109, 110, 200):
+        assert g['get_lr'](it) == pytest.approx(hand_lr(min(it, 110), 2.0, 10, 110, 0.1), rel=1e-12), it
+    assert g['get_lr'](0) == pytest.approx(2.0 / 11)  # warmup does not start at 0
+    assert g['get_lr'](60) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5))  # half-way: the mean of peak and floor
+    assert g['get_lr'](110) == pytest.approx(0.2)  # the floor is 10% of the peak, not 0
+    g = train_defs('get_lr', learning_rate=1.0, warmup_iters=0, max_iters=4, min_lr_frac=0.0)
+    assert [g['get_lr'](i) for i in range(5)] == pytest.approx([1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5,
+                                                                0.5 - 0.5 * math.cos(math.pi / 4), 0.0])
+
+
+# every training forward's batch size, and the sequences seen per optimizer step, into $BATCH_LOG
+COUNT_BATCHES = """
+import atexit, json, os, torch, model
+_forward, _sizes, _steps, _seen = model.GPT.forward, [], [], [0]
+def _counting_forward(self, idx, *a, **k):
+    if not torch.is_grad_enabled() and not _steps:  # the first evaluation: what came before was set-up
+        _sizes.clear()
+        _seen[0] = 0
+    if torch.is_grad_enabled():
+        _sizes.append(idx.size(0))
+        _seen[0] += idx.size(0)
+    return _forward(self, idx, *a, **k)
+model.GPT.forward = _counting_forward
+_clip = torch.nn.utils.clip_grad_norm_
+def _step(*a, **k):
+    _steps.append(_seen[0])
+    _seen[0] = 0
+    return _clip(*a, **k)
+torch.nn.utils.clip_grad_norm_ = _step
+atexit.register(lambda: open(os.environ['BATCH_LOG'], 'w').write(json.dumps({'sizes': _sizes, 'steps': _steps})))
+"""
+
+
+def test_auto_batch_keeps_the_global_batch_in_the_batches_the_model_sees(data_dir, tmp_path, monkeypatch):
+    """16 sequences per step asked as 16 x 1, with a memory budget that fits about 5: every
+    optimizer step still trains on exactly 16 sequences, in micro-batches of the size the plan
+    printed (counted at the model's forward, not read from the plan)."""
+    from model import GPT, GPTConfig
+    from plan import memory as memory_plan
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=257)
+    torch.manual_seed(1337)
+    mem = memory_plan.train_memory(cfg, 16, 32, model=GPT(cfg))
+    per_seq = mem['per_sequence']
+    budget_gib = (mem['total'] - 16 * per_seq + 5.2 * per_seq) / memory_plan.AUTO_BATCH_FILL / 2**30
+    log = tmp_path / 'batches.json'
+    monkeypatch.setenv('BATCH_LOG', str(log))
+    r = train_injected(COUNT_BATCHES, '--device=cpu', '--compile=False', '--n_layer=2', '--n_embd=32', '--n_head=2',
+                       '--block_size=32', '--log_interval=1', '--eval_iters=1', '--max_iters=3', '--eval_interval=3',
+                       f'--data_dir={data_dir}', f'--out_dir={tmp_path / "o"}', '--batch_size=16',
+                       '--gradient_accumulation_steps=1', '--auto_batch=True', f'--memory_gib={budget_gib!r}')
+    assert r.returncode == 0, r.stderr[-2000:]
+    [plan] = lines(r.stdout, 'auto_batch: ')
+    micro, accum = (int(w.strip(',')) for w in plan.split()[2::2])
+    assert micro < 16 and micro * accum == 16, plan  # the plan changed the micro-batch
+    seen = json.loads(log.read_text())
+    assert seen['steps'] == [16, 16, 16]
+    assert seen['sizes'] == [micro] * (3 * accum)

@@ -1,49 +1,40 @@
 """
-Tests of the multi-stream schemes (HC, mHC) and of Block AttnRes in residuals.py:
-parameter counts, equivalences at init, the routing algebra, Sinkhorn, causality,
-skip/swap/drop orders, traces, training and checkpoints. CPU only, tiny models.
+Hyper-Connections and mHC (residuals.py MultiStream, HC, MHC, sinkhorn; paper Appendix A,
+docs/schemes.md): parameter counts against closed forms, each sublayer's read, mix and write
+against an explicit per-stream loop, Sinkhorn (doubly stochastic, safe on extreme logits,
+Liger-Kernel's eps and order, the training default of 20 iterations), the init (equal to Pre-LN
+with the same backbone weights, routing scales 0.01), fp32 routing, the probe hooks (lens,
+skip, traces, routing that travels with its block), the optimizer groups, the whole model
+(causality, orders, training, checkpoints; with Block AttnRes, whose scheme-specific cases are
+in tests/test_attnres.py) and the init values and Sinkhorn of the study's code. CPU only:
 
-    python -m pytest tests/test_schemes_hc.py -q
+    python -m pytest tests/test_hyper_connections.py -q
 """
 
+import ast
 import io
+import math
+from pathlib import Path
 
 import pytest
 import torch
 
+import test_study_fidelity as fidelity
 from model import GPT, GPTConfig
+from multi_stream_models import V, make, max_rel, pair, perturb, tokens
 from residuals import sinkhorn
+from small_models import move_off_init, small_model, tiny
+from test_study_fidelity import D, M, TOL, Study, study_logits, study_weights
 
-V = 128          # vocabulary of the tiny test models
+REPO = Path(__file__).resolve().parents[1]
+
+
 SCHEMES = ('hc', 'mhc', 'blockattnres')
-
-
-def make(residual, n_layer=4, n_embd=64, seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=V, block_size=32, n_layer=n_layer, n_head=4, n_embd=n_embd,
-                    residual=residual, **kw)
-    return GPT(cfg)
-
-
-def tokens(B=2, T=16, seed=1):
-    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def perturb(model, std=0.3, seed=3):
-    """Adds noise to every scheme parameter, so that no test passes only because the
-    routing is at its (Pre-LN-like) init."""
-    g = torch.Generator().manual_seed(seed)
-    for p in model.residual.parameters():
-        p.add_(std * torch.randn(p.shape, generator=g))
-
-
-def max_rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 # -----------------------------------------------------------------------------
 # parameter counts: closed forms (also used by the cost model)
+
 
 def delta_params(residual, L, d, m):
     """Parameters a scheme adds to Pre-LN at L blocks, width d, m streams."""
@@ -84,155 +75,8 @@ def test_closed_forms_at_m4():
 
 
 # -----------------------------------------------------------------------------
-# equivalences with the same backbone weights
-
-def pair(residual, **kw):
-    """(scheme model, Pre-LN model) with identical backbone weights and pre-norms. The
-    tiny norm eps makes RMSNorm exactly scale invariant: the schemes' readouts are
-    rescaled Pre-LN states (m h for the stream sum, h / n for a mean of n sources)."""
-    pre = make('preln', norm_eps=1e-12)
-    with torch.no_grad():  # non-trivial norm gains, so that they must be loaded correctly
-        for n, p in pre.named_parameters():
-            if n.endswith('norm.weight') or n == 'norm_f.weight':
-                p.add_(0.2 * torch.randn_like(p))
-    model = make(residual, norm_eps=1e-12, attnres_eps=1e-12, seed=7, **kw)
-    missing, unexpected = model.load_state_dict(pre.state_dict(), strict=False)
-    assert not unexpected
-    assert all(k.startswith('residual.') for k in missing)
-    return model.eval(), pre.eval()
-
-
-@torch.no_grad()
-def test_hc_at_init_is_m_times_preln():
-    # All streams stay equal to the h of Pre-LN with the same backbone weights (one-hot read,
-    # A_r = I, beta = 1), exact up to fp32 rounding. The default readout (the study's: the
-    # final norm on each stream, then the sum) therefore gives m times Pre-LN's logits; the
-    # paper's "sum, then norm" gives Pre-LN's logits themselves.
-    idx = tokens()
-    model, pre = pair('hc')
-    assert model.residual.readout_mode == 'norm_sum'
-    torch.testing.assert_close(model(idx)[0], 4 * pre(idx)[0], rtol=1e-5, atol=4e-5)
-    model, pre = pair('hc', hc_readout='sum')
-    torch.testing.assert_close(model(idx)[0], pre(idx)[0], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize('residual', ['hc', 'mhc'])
-@torch.no_grad()
-def test_multistream_out_init_scaled_by_sqrt_m_by_default(residual):
-    # the study's scale_output_init_by_sqrt_n: the same draws as without it, over sqrt(m)
-    a, b = make(residual, hc_streams=4, seed=2), make(residual, hc_streams=4, seed=2, hc_out_init_scale=False)
-    for blk_a, blk_b in zip(a.blocks, b.blocks):
-        torch.testing.assert_close(blk_a.attn.wo.weight, blk_b.attn.wo.weight / 2, rtol=0, atol=0)
-        torch.testing.assert_close(blk_a.mlp.w_down.weight, blk_b.mlp.w_down.weight / 2, rtol=0, atol=0)
-        torch.testing.assert_close(blk_a.attn.wq.weight, blk_b.attn.wq.weight, rtol=0, atol=0)
-
-
-@torch.no_grad()
-def test_mhc_gap8_at_init_equals_preln():
-    model, pre = pair('mhc', mhc_init='gap8')
-    idx = tokens()
-    # Tolerance: the sigma(-8) = 3.4e-4 leakage of H_pre into the other streams only rescales
-    # u = (sigma(8) + (m-1) sigma(-8)) h while all streams are equal, which RMSNorm removes;
-    # H_res's columns sum to 1 (Sinkhorn ends on columns), so each new stream is again h + f,
-    # and H_post = 2 sigma(0) = 1. Hence the match is exact up to fp32 rounding, not 1e-3.
-    torch.testing.assert_close(model(idx)[0], pre(idx)[0], rtol=1e-5, atol=1e-5)
-
-
-@torch.no_grad()
-def test_mhc_uniform_is_preln_only_without_the_dynamic_part():
-    model, pre = pair('mhc', mhc_init='uniform')
-    idx = tokens()
-    ref = pre(idx)[0]
-    # With the gates at 0, H_pre = 1/2 (u = (m/2) h, rescaled away by RMSNorm), H_res = 11^T/m
-    # (the mean of equal streams is h) and H_post = 1: exactly Pre-LN.
-    gates = [p for n, p in model.residual.named_parameters() if '.alpha_' in n]
-    for g in gates:
-        g.zero_()
-    torch.testing.assert_close(model(idx)[0], ref, rtol=1e-5, atol=1e-5)
-    # With the default gates 0.01 and phi ~ N(0, 0.02^2), the logits x' phi have std
-    # 0.02 sqrt(md) = 0.32, so H_post = 2 sigma(0.01 x' phi) = 1 + O(2e-3) per stream: the streams
-    # drift apart by ~0.2% of each branch output per sublayer -- close to Pre-LN, not equal.
-    for g in gates:
-        g.fill_(0.01)
-    err = max_rel(model(idx)[0], ref)
-    assert 1e-6 < err < 0.05
-
-
-@pytest.mark.parametrize('blocks', [1, 2, 4])
-@torch.no_grad()
-def test_blockattnres_zero_queries_equal_preln(blocks):
-    model, pre = pair('blockattnres', attnres_blocks=blocks)  # S = 8, 4, 2 sublayers
-    idx = tokens()
-    # every read is the mean of its sources, whose sum is Pre-LN's residual stream
-    torch.testing.assert_close(model(idx)[0], pre(idx)[0], rtol=1e-5, atol=1e-5)
-
-
-@torch.no_grad()
-def test_blockattnres_block_size_one_is_full_attnres():
-    full = make('attnres')
-    perturb(full)  # random non-zero queries and key gains
-    block = make('blockattnres', attnres_blocks=8, seed=5)  # 2L = 8 sublayers: S = 1
-    assert block.residual.group_size == 1
-    block.load_state_dict(full.state_dict())  # same parameter layout
-    idx = tokens()
-    for kw in [{}, {'skip': (0,)}, {'skip': (2,)}, {'order': [2, 0, 3, 1]}, {'order': [0, 1, 3]}]:
-        torch.testing.assert_close(block(idx, **kw)[0], full(idx, **kw)[0], rtol=0, atol=1e-6)
-    with block.residual.trace() as tb, full.residual.trace() as tf:
-        block(idx), full(idx)
-    assert len(tb) == len(tf) == 8
-    for a, b in zip(tb, tf):
-        assert (a['block'], a['sublayer']) == (b['block'], b['sublayer'])
-        torch.testing.assert_close(a['weights'], b['weights'])
-    # ... while S = 2 is a different model with the same weights (the test can fail)
-    other = make('blockattnres', attnres_blocks=4)
-    other.load_state_dict(full.state_dict())
-    assert max_rel(other(idx)[0], full(idx)[0]) > 1e-3
-
-
-@pytest.mark.parametrize('n_layer,blocks,says', [
-    (4, 8, 'and 2L = 8 sublayers is Full AttnRes'),   # the CPU config's 4 layers with the default 8 blocks
-    (2, 8, 'and 2L = 4 sublayers is Full AttnRes'),   # fewer sublayers than blocks: S = 1 too
-    (4, 1, 'one block holds all 8 sublayers'),
-    (4, 4, None), (4, 2, None)])
-def test_blockattnres_says_when_it_is_another_scheme(n_layer, blocks, says):
-    """The start-up note (train.py prints `notes()`): Block AttnRes with one sublayer per block
-    is Full AttnRes (test_blockattnres_block_size_one_is_full_attnres), and one block holding
-    every sublayer reads only the embedding and the running sum."""
-    notes = make('blockattnres', n_layer=n_layer, attnres_blocks=blocks).residual.notes()
-    if says is None:
-        assert notes == []
-    else:
-        assert len(notes) == 1 and says in notes[0] and f"attnres_blocks={blocks}" in notes[0], notes
-    assert make('attnres').residual.notes() == [] and make('hc').residual.notes() == []
-
-
-@pytest.mark.parametrize('residual', ['attnres', 'blockattnres'])
-@torch.no_grad()
-def test_attnres_norms_hold_the_eps_they_are_used_with(residual):
-    """Each pre-norm's eps, as printed, is the eps it runs with: mlp_norm attnres_eps,
-    attn_norm norm_eps in block 0 (it reads the embedding alone) and attnres_eps after."""
-    model = make(residual, attnres_eps=0.1)  # large: the eps moves the output
-    layers = model.residual.layers
-    assert [p.attn_norm.eps for p in layers] == [1e-6, 0.1, 0.1, 0.1]
-    assert [p.mlp_norm.eps for p in layers] == [0.1] * 4
-    assert 'RMSNorm(64, eps=0.1)' in repr(layers[1].mlp_norm)
-    perturb(model)
-    idx = tokens()
-    before = model(idx)[0]
-    for p in layers:
-        p.mlp_norm.eps = 1e-6
-    assert max_rel(model(idx)[0], before) > 1e-3  # the module's eps is the one used
-
-
-def test_blockattnres_block_size():
-    assert make('blockattnres', n_layer=4, attnres_blocks=2).residual.group_size == 4
-    assert make('blockattnres', n_layer=2).residual.group_size == 1  # 2L = 4 < 8 blocks: S = 1
-    with pytest.raises(ValueError, match='attnres_blocks'):
-        make('blockattnres', n_layer=3, attnres_blocks=4)  # 6 sublayers in 4 blocks
-
-
-# -----------------------------------------------------------------------------
 # the routing algebra, checked against an explicit per-stream loop
+
 
 @torch.no_grad()
 def test_hc_sublayer_matches_explicit_formula():
@@ -300,8 +144,32 @@ def test_hc_residual_mixing_is_applied():
     assert max_rel(model(idx)[0], before) > 1e-3
 
 
+@torch.no_grad()
+def test_hc_coefficients_move_by_at_most_the_scale_times_tanh():
+    """With the projections W, w_beta non-zero, HC's coefficients are static + 0.01 tanh(H_bar W):
+    at init they never move more than 0.01 from the one-hot read, identity mix and unit write."""
+    model = small_model('hc', L=2)
+    res, g = model.residual, torch.Generator().manual_seed(3)
+    route = res.layers[1].mlp_route
+    route.dynamic_alpha.copy_(torch.randn(route.dynamic_alpha.shape, generator=g))
+    route.dynamic_beta.copy_(torch.randn(route.dynamic_beta.shape, generator=g))
+    H = torch.randn(2, 5, res.m, 16, generator=g) * 3
+    r, M, w = res.coefficients(H, route)
+    Hbar = H * torch.rsqrt(H.pow(2).mean(-1, keepdim=True) + 1e-8)
+    C = route.static_alpha + 0.01 * torch.tanh(Hbar @ route.dynamic_alpha)  # (B, T, m, m+1)
+    torch.testing.assert_close(r, C[..., 0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(M, C[..., 1:], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(w, 1 + 0.01 * torch.tanh(Hbar @ route.dynamic_beta), rtol=1e-6, atol=1e-7)
+    k = 3  # sublayer 2b + j of block 1, MLP: reads stream 3 mod m
+    onehot = torch.zeros(res.m)
+    onehot[k % res.m] = 1.0
+    assert (r - onehot).abs().max() <= 0.01 and (M - torch.eye(res.m)).abs().max() <= 0.01
+    assert 0.005 < (w - 1).abs().max() <= 0.01  # the scale is used, and it is 0.01
+
+
 # -----------------------------------------------------------------------------
 # Sinkhorn
+
 
 def scaled_logits(n, m=4, seed=0):
     """Logits up to +-50: a core in [-1, 1] plus row and column offsets up to +-24.5. The
@@ -370,22 +238,109 @@ def test_sinkhorn_eps_and_order_are_liger_kernel_s():
     assert (sinkhorn(z, 5, 'plain', 0.0) - sinkhorn(z, 5, 'liger', 0.0)).abs().max() > 1e-4
 
 
-def test_sinkhorn_rejects_bad_input():
-    for iters in (0, 2.5, True, torch.tensor(3)):
-        with pytest.raises(ValueError, match='rounds'):
-            sinkhorn(torch.zeros(4, 4), iters)
-    with pytest.raises(ValueError, match='order'):
-        sinkhorn(torch.zeros(4, 4), 3, 'sinkhorn_log')
-    with pytest.raises(ValueError, match='eps'):
-        sinkhorn(torch.zeros(4, 4), 3, 'liger', -1e-6)
+def test_mhc_sinkhorn_iterations_default_to_20_in_training():
+    """Paper Appendix A, docs/schemes.md: 20 Sinkhorn-Knopp iterations; the training script's default
+    (a literal in train.py) and GPTConfig's agree, and the built model uses them."""
+    tree = ast.parse((REPO / 'train.py').read_text())
+    defaults = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name)}
+    assert ast.literal_eval(defaults['mhc_sinkhorn_iters']) == 20
+    assert GPTConfig().mhc_sinkhorn_iters == 20
+    model = tiny('mhc')
+    assert model.config.mhc_sinkhorn_iters == 20
 
 
-@pytest.mark.parametrize('iters', [0, 2.5, 2.0, True])
-def test_mhc_rejects_bad_sinkhorn_iters(iters):
-    """A bad mhc_sinkhorn_iters is a ValueError when the model is built (2.5 used to fail
-    with a TypeError deep in the first forward; True ran one round)."""
-    with pytest.raises(ValueError, match='mhc_sinkhorn_iters must be an int >= 1'):
-        make('mhc', n_layer=1, n_embd=32, mhc_sinkhorn_iters=iters)
+# -----------------------------------------------------------------------------
+# init: Pre-LN with the same backbone weights, routing scales 0.01
+
+
+@torch.no_grad()
+def test_hc_at_init_is_m_times_preln():
+    # All streams stay equal to the h of Pre-LN with the same backbone weights (one-hot read,
+    # A_r = I, beta = 1), exact up to fp32 rounding. The default readout (the study's: the
+    # final norm on each stream, then the sum) therefore gives m times Pre-LN's logits; the
+    # paper's "sum, then norm" gives Pre-LN's logits themselves.
+    idx = tokens()
+    model, pre = pair('hc')
+    assert model.residual.readout_mode == 'norm_sum'
+    torch.testing.assert_close(model(idx)[0], 4 * pre(idx)[0], rtol=1e-5, atol=4e-5)
+    model, pre = pair('hc', hc_readout='sum')
+    torch.testing.assert_close(model(idx)[0], pre(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+@torch.no_grad()
+def test_multistream_out_init_scaled_by_sqrt_m_by_default(residual):
+    # the study's scale_output_init_by_sqrt_n: the same draws as without it, over sqrt(m)
+    a, b = make(residual, hc_streams=4, seed=2), make(residual, hc_streams=4, seed=2, hc_out_init_scale=False)
+    for blk_a, blk_b in zip(a.blocks, b.blocks):
+        torch.testing.assert_close(blk_a.attn.wo.weight, blk_b.attn.wo.weight / 2, rtol=0, atol=0)
+        torch.testing.assert_close(blk_a.mlp.w_down.weight, blk_b.mlp.w_down.weight / 2, rtol=0, atol=0)
+        torch.testing.assert_close(blk_a.attn.wq.weight, blk_b.attn.wq.weight, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_mhc_gap8_at_init_equals_preln():
+    model, pre = pair('mhc', mhc_init='gap8')
+    idx = tokens()
+    # Tolerance: the sigma(-8) = 3.4e-4 leakage of H_pre into the other streams only rescales
+    # u = (sigma(8) + (m-1) sigma(-8)) h while all streams are equal, which RMSNorm removes;
+    # H_res's columns sum to 1 (Sinkhorn ends on columns), so each new stream is again h + f,
+    # and H_post = 2 sigma(0) = 1. Hence the match is exact up to fp32 rounding, not 1e-3.
+    torch.testing.assert_close(model(idx)[0], pre(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_mhc_uniform_is_preln_only_without_the_dynamic_part():
+    model, pre = pair('mhc', mhc_init='uniform')
+    idx = tokens()
+    ref = pre(idx)[0]
+    # With the gates at 0, H_pre = 1/2 (u = (m/2) h, rescaled away by RMSNorm), H_res = 11^T/m
+    # (the mean of equal streams is h) and H_post = 1: exactly Pre-LN.
+    gates = [p for n, p in model.residual.named_parameters() if '.alpha_' in n]
+    for g in gates:
+        g.zero_()
+    torch.testing.assert_close(model(idx)[0], ref, rtol=1e-5, atol=1e-5)
+    # With the default gates 0.01 and phi ~ N(0, 0.02^2), the logits x' phi have std
+    # 0.02 sqrt(md) = 0.32, so H_post = 2 sigma(0.01 x' phi) = 1 + O(2e-3) per stream: the streams
+    # drift apart by ~0.2% of each branch output per sublayer -- close to Pre-LN, not equal.
+    for g in gates:
+        g.fill_(0.01)
+    err = max_rel(model(idx)[0], ref)
+    assert 1e-6 < err < 0.05
+
+
+def routing_state(model):
+    return {k: v.clone() for k, v in model.residual.state_dict().items()}
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+@torch.no_grad()
+def test_routing_scales_start_at_the_study_s_0_01_whatever_came_before(residual):
+    """HC's s_alpha, s_beta and mHC's three gates are 0.01 after init_weights, on a fresh model,
+    after a re-init of a trained one, and on a model built on the meta device (whose memory
+    holds garbage until init_weights): init_weights alone sets every routing parameter."""
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_embd=16, n_head=2, residual=residual)
+    fresh = routing_state(GPT(cfg))
+    names = ('alpha_scale', 'beta_scale') if residual == 'hc' else ('alpha_pre', 'alpha_post', 'alpha_res')
+    scales = {k: v for k, v in fresh.items() if k.endswith(names)}
+    assert len(scales) == 2 * 2 * len(names) and all(v.item() == pytest.approx(0.01) for v in scales.values())
+    moved = move_off_init(GPT(cfg))
+    moved.init_weights()
+    with torch.device('meta'):
+        meta = GPT(cfg)
+    meta.to_empty(device='cpu')
+    for p in meta.residual.parameters():
+        p.fill_(7.0)  # what to_empty leaves is undefined: make it plainly wrong
+    meta.init_weights()
+    for other in (moved, meta):
+        got = routing_state(other)
+        for k, v in fresh.items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+
+
+# -----------------------------------------------------------------------------
+# precision
 
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
@@ -403,41 +358,88 @@ def test_routing_runs_in_fp32_under_autocast(residual):
             assert (r['mix'].sum(-2) - 1).abs().max() < 1e-4
 
 
+# -----------------------------------------------------------------------------
+# probe hooks: lens, skip, traces; routing travels with its block
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
 @torch.no_grad()
-def test_blockattnres_partial_sums_accumulate_in_fp32_under_autocast():
-    """docs/fidelity.md: AttnRes partial sums stay fp32. Under bf16 autocast every sublayer
-    output is bf16; the running partial sum P and the frozen block sums are fp32, each the fp32
-    sum of its block's outputs (S = 4 here: P = f_0 + f_1 after block 0, frozen as
-    f_0 + .. + f_3 at k = 4, restarted as f_4 + f_5). Summed in bf16 they would be rounded
-    to 8 bits at every addition."""
-    model = make('blockattnres', attnres_blocks=2)  # 8 sublayers, blocks of 4
-    perturb(model)
-    outs = []
-    for blk in model.blocks:
-        for branch in (blk.attn, blk.mlp):
-            branch.register_forward_hook(lambda mod, args, out: outs.append(out))
-    res, idx = model.residual, tokens()
-    rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
-    with torch.autocast('cpu', dtype=torch.bfloat16):
-        state = res.begin(model.wte(idx))
-        states = []
-        for b in range(4):
-            state = res.block(state, b, model.blocks[b], rope)
-            states.append(state)
-    assert len(outs) == 8 and all(f.dtype == torch.bfloat16 for f in outs)
-    f = [o.float() for o in outs]
-    for st in states:
-        assert all(v.dtype == torch.float32 for v in st.sources) and st.mix.dtype == torch.float32
-        assert st.partial is None or st.partial.dtype == torch.float32
-    assert len(states[0].sources) == 1 and states[1].partial is None and len(states[3].sources) == 3
-    torch.testing.assert_close(states[0].partial, f[0] + f[1], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(states[1].sources[1], f[0] + f[1] + f[2] + f[3], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(states[2].partial, f[4] + f[5], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(states[3].sources[2], f[4] + f[5] + f[6] + f[7], rtol=1e-6, atol=1e-6)
+def test_multistream_probe_lens_and_skip(residual):
+    m = 3
+    model = make(residual, hc_streams=m)
+    perturb(model, std=0.1)
+    idx = tokens()
+    x = model.wte(idx)
+    rec = []
+    h = model.hidden(idx, skip=(2,), record=rec)
+    probe0, lens0 = rec[0]
+    assert probe0.shape == (2, 16, m * 64) and lens0.shape == (2, 16, m, 64) and h.shape == (2, 16, m, 64)
+    torch.testing.assert_close(probe0, x.repeat(1, 1, m))  # z_0 = m copies of the embedding
+    torch.testing.assert_close(lens0, x.unsqueeze(-2).expand(-1, -1, m, -1))  # lens = the streams
+    torch.testing.assert_close(rec[3][0], rec[2][0], rtol=0, atol=0)  # skip = identity on all streams
+    torch.testing.assert_close(h, rec[-1][1])  # the head reads the last lens as it reads the output
+    # the study's reduce_residual_streams: the sum for HC, the mean for mHC (Liger)
+    torch.testing.assert_close(model.residual.reduce(lens0), m * x if residual == 'hc' else x)
+    assert (rec[2][0] - rec[1][0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+@torch.no_grad()
+def test_multistream_trace(residual):
+    m, L = 4, 4
+    model = make(residual, n_layer=L)
+    perturb(model, std=0.05)
+    with model.residual.trace() as tape:
+        model(tokens())
+    assert [(r['block'], r['sublayer']) for r in tape] == [(b, j) for b in range(L) for j in (0, 1)]
+    for r in tape:
+        assert r['read'].shape == (2, 16, m) and r['write'].shape == (2, 16, m)
+        assert r['mix'].shape == (2, 16, m, m)
+        assert all(torch.isfinite(r[k]).all() for k in ('read', 'mix', 'write'))
+    if residual == 'mhc':  # H_res is (approximately) doubly stochastic, H_post in (0, 2)
+        # Liger's order ends on the per-input sums (exact up to its 1e-6 eps); the per-output
+        # sums are Sinkhorn's residual after 20 rounds (4e-4 here)
+        assert all((r['mix'].sum(-1) - 1).abs().max() < 1e-5 for r in tape)
+        assert all((r['mix'].sum(-2) - 1).abs().max() < 1e-3 for r in tape)
+        assert all(((r['write'] > 0) & (r['write'] < 2)).all() for r in tape)
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+@torch.no_grad()
+def test_routing_travels_with_the_block(residual):
+    model = make(residual)  # m = 4
+    with model.residual.trace() as tape:
+        model(tokens(), order=[1, 0, 2, 3])
+    first = tape[0]
+    assert (first['block'], first['sublayer']) == (1, 0)
+    read = first['read']
+    # block 1's attention is sublayer k = 2: it reads stream 2 even when it runs first
+    assert (read.argmax(-1) == 2).all()
+    assert read[..., 2].min() > 0.99 and read[..., [0, 1, 3]].max() < 1e-3
+    # block 0's own attention read (third record) is stream 0
+    assert (tape[2]['read'].argmax(-1) == 0).all() and tape[2]['block'] == 0
 
 
 # -----------------------------------------------------------------------------
-# causality, orders, probe states, traces
+# optimizer groups
+
+
+def test_weight_decay_groups():
+    for residual, static, dynamic in [('hc', 'static_alpha', 'dynamic_alpha'), ('mhc', 'bias', 'phi'),
+                                      ('hc', 'static_beta', 'alpha_scale'), ('mhc', 'alpha_res', 'phi')]:
+        model = make(residual, n_layer=2)
+        names = dict(model.residual.named_parameters())
+        nwd = model.residual.no_weight_decay()
+        assert nwd and nwd <= set(names)
+        opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+        decayed = {id(p) for p in opt.param_groups[0]['params']}
+        assert id(names[f'layers.1.mlp_route.{static}']) not in decayed
+        assert id(names[f'layers.1.mlp_route.{dynamic}']) in decayed
+
+
+# -----------------------------------------------------------------------------
+# the whole model, HC, mHC and Block AttnRes: causality, orders, training, checkpoints
+
 
 @pytest.mark.parametrize('residual', SCHEMES)
 @torch.no_grad()
@@ -468,122 +470,6 @@ def test_skip_swap_drop_orders(residual):
         assert len(rec) == len(kw.get('order', range(4))) + 1
 
 
-@pytest.mark.parametrize('residual', ['hc', 'mhc'])
-@torch.no_grad()
-def test_multistream_probe_lens_and_skip(residual):
-    m = 3
-    model = make(residual, hc_streams=m)
-    perturb(model, std=0.1)
-    idx = tokens()
-    x = model.wte(idx)
-    rec = []
-    h = model.hidden(idx, skip=(2,), record=rec)
-    probe0, lens0 = rec[0]
-    assert probe0.shape == (2, 16, m * 64) and lens0.shape == (2, 16, m, 64) and h.shape == (2, 16, m, 64)
-    torch.testing.assert_close(probe0, x.repeat(1, 1, m))  # z_0 = m copies of the embedding
-    torch.testing.assert_close(lens0, x.unsqueeze(-2).expand(-1, -1, m, -1))  # lens = the streams
-    torch.testing.assert_close(rec[3][0], rec[2][0], rtol=0, atol=0)  # skip = identity on all streams
-    torch.testing.assert_close(h, rec[-1][1])  # the head reads the last lens as it reads the output
-    # the study's reduce_residual_streams: the sum for HC, the mean for mHC (Liger)
-    torch.testing.assert_close(model.residual.reduce(lens0), m * x if residual == 'hc' else x)
-    assert (rec[2][0] - rec[1][0]).abs().max() > 1e-3
-
-
-@torch.no_grad()
-def test_blockattnres_probe_states_and_next_output_rule():
-    model = make('blockattnres', attnres_blocks=4)  # S = 2: every attention read is a boundary
-    idx = tokens()
-    x = model.wte(idx)
-    rec = []
-    model.hidden(idx, skip=(1,), record=rec)
-    torch.testing.assert_close(rec[0][0], x)
-    # after block 0 the attention read (k = 2) is a boundary: probe = lens = mean(v_0, P_0) at zero queries
-    torch.testing.assert_close(rec[1][0], rec[1][1], rtol=0, atol=0)
-    block0 = 2 * rec[1][1] - x                                  # P_0 = f_0 + f_1
-    # block 1 skipped, the next read (k = 4) is a boundary: identity on the newest source P_0
-    torch.testing.assert_close(rec[2][0], block0, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rec[2][1], rec[2][0], rtol=0, atol=0)
-
-    model = make('blockattnres', attnres_blocks=2)  # S = 4: block 1's attention read (k = 2) is inside a block
-    rec = []
-    model.hidden(idx, record=rec)
-    mix1, partial1 = rec[1][1], rec[1][0]
-    # probe = the running partial sum, lens = the mix of [v_0, P] = (v_0 + P) / 2 at zero queries
-    torch.testing.assert_close(mix1, (x + partial1) / 2, rtol=1e-5, atol=1e-5)
-    assert (partial1 - mix1).abs().max() > 1e-3
-    torch.testing.assert_close(rec[2][0], rec[2][1], rtol=0, atol=0)  # k = 4: a boundary
-
-
-@pytest.mark.parametrize('residual', ['hc', 'mhc'])
-@torch.no_grad()
-def test_multistream_trace(residual):
-    m, L = 4, 4
-    model = make(residual, n_layer=L)
-    perturb(model, std=0.05)
-    with model.residual.trace() as tape:
-        model(tokens())
-    assert [(r['block'], r['sublayer']) for r in tape] == [(b, j) for b in range(L) for j in (0, 1)]
-    for r in tape:
-        assert r['read'].shape == (2, 16, m) and r['write'].shape == (2, 16, m)
-        assert r['mix'].shape == (2, 16, m, m)
-        assert all(torch.isfinite(r[k]).all() for k in ('read', 'mix', 'write'))
-    if residual == 'mhc':  # H_res is (approximately) doubly stochastic, H_post in (0, 2)
-        # Liger's order ends on the per-input sums (exact up to its 1e-6 eps); the per-output
-        # sums are Sinkhorn's residual after 20 rounds (4e-4 here)
-        assert all((r['mix'].sum(-1) - 1).abs().max() < 1e-5 for r in tape)
-        assert all((r['mix'].sum(-2) - 1).abs().max() < 1e-3 for r in tape)
-        assert all(((r['write'] > 0) & (r['write'] < 2)).all() for r in tape)
-
-
-@pytest.mark.parametrize('blocks', [8, 4, 2])
-@torch.no_grad()
-def test_blockattnres_trace_follows_the_boundary_rule(blocks):
-    L = 4
-    model = make('blockattnres', n_layer=L, attnres_blocks=blocks)
-    S = 2 * L // blocks
-    with model.residual.trace() as tape:
-        model(tokens())
-    # reads k = 1 .. 2L (k = 2L: the final aggregator, recorded as block L, sublayer 0)
-    assert [(r['block'], r['sublayer']) for r in tape] == [(k // 2, k % 2) for k in range(1, 2 * L + 1)]
-    for k, r in zip(range(1, 2 * L + 1), tape):
-        n = 1 + k // S + (k % S != 0)  # embedding, frozen blocks, the running partial sum
-        assert r['weights'].shape == (n, 2, 16)
-        assert int(r['current']) == (n - 1 if k % S else -1)
-        torch.testing.assert_close(r['weights'], torch.full_like(r['weights'], 1 / n))  # zero queries
-
-
-@pytest.mark.parametrize('residual', ['hc', 'mhc'])
-@torch.no_grad()
-def test_routing_travels_with_the_block(residual):
-    model = make(residual)  # m = 4
-    with model.residual.trace() as tape:
-        model(tokens(), order=[1, 0, 2, 3])
-    first = tape[0]
-    assert (first['block'], first['sublayer']) == (1, 0)
-    read = first['read']
-    # block 1's attention is sublayer k = 2: it reads stream 2 even when it runs first
-    assert (read.argmax(-1) == 2).all()
-    assert read[..., 2].min() > 0.99 and read[..., [0, 1, 3]].max() < 1e-3
-    # block 0's own attention read (third record) is stream 0
-    assert (tape[2]['read'].argmax(-1) == 0).all() and tape[2]['block'] == 0
-
-
-# -----------------------------------------------------------------------------
-# training and checkpoints
-
-def test_weight_decay_groups():
-    for residual, static, dynamic in [('hc', 'static_alpha', 'dynamic_alpha'), ('mhc', 'bias', 'phi'),
-                                      ('hc', 'static_beta', 'alpha_scale'), ('mhc', 'alpha_res', 'phi')]:
-        model = make(residual, n_layer=2)
-        names = dict(model.residual.named_parameters())
-        nwd = model.residual.no_weight_decay()
-        assert nwd and nwd <= set(names)
-        opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
-        decayed = {id(p) for p in opt.param_groups[0]['params']}
-        assert id(names[f'layers.1.mlp_route.{static}']) not in decayed
-        assert id(names[f'layers.1.mlp_route.{dynamic}']) in decayed
-
-
 @pytest.mark.parametrize('residual', SCHEMES)
 def test_trains_and_round_trips(residual):
     model = make(residual, n_layer=2, n_embd=32, attnres_blocks=2, mhc_init='uniform' if residual == 'mhc' else 'gap8')
@@ -610,3 +496,104 @@ def test_trains_and_round_trips(residual):
     model.eval(), again.eval()
     with torch.no_grad():
         torch.testing.assert_close(again(idx)[0], model(idx)[0], rtol=0, atol=0)
+
+
+# -----------------------------------------------------------------------------
+# fidelity to the study's code (tests/test_study_fidelity.py holds its transcription)
+
+
+@pytest.mark.parametrize('scheme', ('hc', 'mhc'))
+@torch.no_grad()
+def test_multistream_init_values_are_the_study_s(scheme):
+    """HC: HyperConnection.reset_parameters (selected stream = layer_index % m with
+    layer_index = 2 block_idx + sublayer); mHC: mhc_initialization_test (newest code):
+    phi = 0, pre bias +8 / -8, post bias 0, residual bias -8 (1 - I), gates 0.01.
+    And scale_output_init_by_sqrt_n on both: attention-out and w2 over sqrt(m)."""
+    model = fidelity.make(scheme)
+    W = study_weights(model)
+    for b in range(fidelity.L):
+        for j, conn in enumerate(('attention_hyper_connection', 'feed_forward_hyper_connection')):
+            w = lambda n: W[f'blocks.{b}.{conn}.{n}']  # noqa: E731
+            sel = (2 * b + j) % M
+            if scheme == 'hc':
+                static = torch.zeros(M, M + 1)
+                static[sel, 0] = 1.0
+                static[:, 1:] = torch.eye(M)
+                assert torch.equal(w('static_alpha'), static) and torch.equal(w('static_beta'), torch.ones(M))
+                assert not w('dynamic_alpha_proj').any() and not w('dynamic_beta_proj').any()
+                assert w('dynamic_alpha_scale').item() == w('dynamic_beta_scale').item() == pytest.approx(0.01)
+            else:
+                pre = torch.full((M,), -8.0)
+                pre[sel] = 8.0
+                assert torch.count_nonzero(w('phi')) == 0
+                assert torch.equal(w('b')[:M], pre) and torch.equal(w('b')[M:2 * M], torch.zeros(M))
+                assert torch.equal(w('b')[2 * M:].view(M, M), -8.0 * (1 - torch.eye(M)))
+                assert all(w(g).item() == pytest.approx(0.01) for g in ('alpha_pre', 'alpha_post', 'alpha_res'))
+    plain = fidelity.make(scheme, hc_out_init_scale=False)  # same draws without the scaling
+    for b in range(fidelity.L):
+        for n in ('attention.w_out.weight', 'feed_forward.w2.weight'):
+            torch.testing.assert_close(W[f'blocks.{b}.{n}'], study_weights(plain)[f'blocks.{b}.{n}'] / math.sqrt(M),
+                                       rtol=0, atol=0)
+    # the earlier study code's +8 diagonal stays an option
+    old = study_weights(fidelity.make('mhc', mhc_init='gap8_diag8'))['blocks.0.attention_hyper_connection.b'][2 * M:]
+    assert torch.equal(old.view(M, M), 8.0 * torch.eye(M) - 8.0 * (1 - torch.eye(M)))
+
+
+@torch.no_grad()
+def test_plain_mhc_sinkhorn_is_the_pytorch_backend_s():
+    """mhc_sinkhorn='plain' is the study's PyTorch mHC backend: sinkhorn_log (per-input sums
+    first, per-output last, no eps) on H_res stored (in, out), as ours."""
+    model, idx = fidelity.make('mhc', mhc_sinkhorn='plain'), fidelity.tokens()
+    for step in range(2):
+        if step:
+            fidelity.randomise(model)
+        ours, theirs = model(idx)[0], study_logits(model, idx, mhc_backend='plain')
+        assert (ours - theirs).abs().max().item() <= TOL
+    assert (ours - study_logits(model, idx)).abs().max().item() > 1e-4   # and it is not Liger's
+
+
+@torch.no_grad()
+def test_mhc_h_res_is_liger_kernel_s_on_wide_logits():
+    """H_res itself against liger_kernel's Sinkhorn (order and the 1e-6 on entries and
+    denominators), with routing parameters wide enough (spread of the logits ~10) that the
+    eps floor and the order both change H_res by more than 1e-3."""
+    model = fidelity.make('mhc')
+    g = torch.Generator().manual_seed(3)
+    for n, p in model.residual.named_parameters():
+        if '_route.' in n:
+            p.copy_(torch.randn(p.shape, generator=g) * 3.0)
+    H = torch.randn(2, 5, M, D, generator=g)
+    W = study_weights(model)
+    for b in range(fidelity.L):
+        for side, conn in (('attn', 'attention_hyper_connection'), ('mlp', 'feed_forward_hyper_connection')):
+            _, ours, _ = model.residual.coefficients(H, getattr(model.residual.layers[b], f'{side}_route'))  # (B, T, in, out)
+            w = lambda n: W[f'blocks.{b}.{conn}.{n}']  # noqa: E731
+            flat = H.reshape(2, 5, -1)
+            mix = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6) @ w('phi')
+            z = (mix[..., 2 * M:] * w('alpha_res') + w('b')[2 * M:]).view(2, 5, M, M)  # (out, in)
+            want = Study.liger_sinkhorn(z).transpose(-1, -2)
+            assert (ours - want).abs().max().item() <= 1e-5  # fp32 rounding of logits of size ~30
+            no_eps = sinkhorn(z.transpose(-1, -2), 20, 'liger', eps=0.0)  # Liger's order, no eps
+            assert (ours - no_eps).abs().max().item() > 1e-3
+            assert (ours - Study.sinkhorn_log(z.transpose(-1, -2))).abs().max().item() > 1e-3
+
+
+# -----------------------------------------------------------------------------
+# bad input: one clear error
+
+def test_sinkhorn_rejects_bad_input():
+    for iters in (0, 2.5, True, torch.tensor(3)):
+        with pytest.raises(ValueError, match='rounds'):
+            sinkhorn(torch.zeros(4, 4), iters)
+    with pytest.raises(ValueError, match='order'):
+        sinkhorn(torch.zeros(4, 4), 3, 'sinkhorn_log')
+    with pytest.raises(ValueError, match='eps'):
+        sinkhorn(torch.zeros(4, 4), 3, 'liger', -1e-6)
+
+
+@pytest.mark.parametrize('iters', [0, 2.5, 2.0, True])
+def test_mhc_rejects_bad_sinkhorn_iters(iters):
+    """A bad mhc_sinkhorn_iters is a ValueError when the model is built (2.5 used to fail
+    with a TypeError deep in the first forward; True ran one round)."""
+    with pytest.raises(ValueError, match='mhc_sinkhorn_iters must be an int >= 1'):
+        make('mhc', n_layer=1, n_embd=32, mhc_sinkhorn_iters=iters)
