@@ -195,7 +195,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         self.residual = RESIDUALS[cfg.residual](cfg)
-        self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.norm_f = RMSNorm(cfg.n_embd, self.residual.final_norm_eps)  # the scheme's eps (AttnRes: attnres_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied from wte
         cos, sin = rope_cache(cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_theta)
         self.register_buffer('rope_cos', cos, persistent=False)  # (block_size, hd/2)

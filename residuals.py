@@ -84,6 +84,7 @@ class Residual(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tape = None  # list while trace() is active, else None
+        self.final_norm_eps = cfg.norm_eps  # eps of the model's final RMSNorm (norm_f), which readout applies
 
     def init_weights(self, model):
         """(Re)initialises every parameter of the scheme; may rescale the backbone's
@@ -243,6 +244,7 @@ class AttnRes(Residual):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.layers = nn.ModuleList([AttnResLayer(cfg, b) for b in range(cfg.n_layer)])
+        self.final_norm_eps = cfg.attnres_eps  # the study fuses the final norm into the last read
 
     def init_weights(self, model):
         super().init_weights(model)
@@ -292,9 +294,6 @@ class AttnRes(Residual):
 
     def end(self, state):
         return state[1]
-
-    def readout(self, h, norm):
-        return rms_norm_eps(h, norm, self.cfg.attnres_eps)  # the study fuses it into the last read
 
     def probe(self, state):
         return state[1]
