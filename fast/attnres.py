@@ -55,13 +55,32 @@ def fla_kernel():
     return fused_attnres
 
 
+def cast_once(v, dtype):
+    """v (any shape) in `dtype`, cast once per tensor: the copy is kept on v (for the same
+    dtype, grad mode and in-place version of v) and handed to every later read of v, so that
+    a source read by n reads costs one cast forward and one backward, not n, and autograd sums
+    its n gradients in `dtype` before the one cast back to v's dtype."""
+    if v.dtype == dtype:
+        return v
+    key = (dtype, torch.is_grad_enabled(), v._version)
+    kept = getattr(v, '_cast_once', None)
+    if kept is None or kept[0] != key:
+        kept = (key, v.to(dtype))
+        v._cast_once = kept
+    return kept[1]
+
+
 def fla_read(self, sources, mixer):
-    """AttnRes.read on fla-core's kernel. The kernel takes sources of one dtype: under bf16
-    autocast the fp32 embedding (and Block AttnRes's fp32 sums) are read in the sublayer
-    outputs' dtype, as the study keeps every source in bf16. z is returned in fp32."""
+    """AttnRes.read on fla-core's kernel: sources n x (B, T, d) -> z (B, T, d), a (n, B, T),
+    both fp32. The kernel takes sources of one dtype: under bf16 autocast the fp32 embedding
+    (and Block AttnRes's fp32 sums) are read in the sublayer outputs' dtype, as the study keeps
+    every source in bf16, each cast once for all the reads of it (`cast_once`). The kernel's
+    checkpoint_level=1 (its default): its backward recomputes the mix from the sources in
+    fp32; level 0 keeps it in the sources' dtype, a rounding of the query's and the key gain's
+    gradients the plain read does not do (the start-up guard under bf16 autocast refuses it)."""
     fused_attnres = fla_kernel()
     dtype = min((v.dtype for v in sources), key=lambda t: t.itemsize)
-    z, a = fused_attnres(mixer.query, [v.to(dtype) for v in sources], mixer.key_norm.weight,
+    z, a = fused_attnres(mixer.query, [cast_once(v, dtype) for v in sources], mixer.key_norm.weight,
                          rms_eps=mixer.key_norm.eps, return_weights=True)
     return z.float(), a.float()
 

@@ -561,3 +561,30 @@ def test_fla_launch_configs_are_pinned(tmp_path, monkeypatch):
     monkeypatch.setattr(attnres, 'FLA_CONFIGS', tmp_path)
     (tmp_path / 'NVIDIA_H200').mkdir()
     assert attnres.fla_config_dir('NVIDIA H200') == tmp_path / 'NVIDIA_H200'
+
+
+def test_cast_once_gives_each_read_the_gradient_of_its_own_cast():
+    """fla_read's one cast per source (fast.attnres.cast_once): three reads of one fp32 source
+    through one bf16 copy give the source the gradient of three separate casts (sum of
+    the three, by hand: 2 + 3 + 5 per entry) and one cast forward; a copy made without grad
+    (an eval pass) or before an in-place change of the source is not handed out again."""
+    from fast.attnres import cast_once
+    v = torch.randn(4, 6, dtype=torch.float32, requires_grad=True)
+    reads = [cast_once(v, torch.bfloat16) for _ in range(3)]
+    assert all(r is reads[0] for r in reads) and reads[0].dtype == torch.bfloat16
+    torch.testing.assert_close(reads[0].float(), v.detach().bfloat16().float(), rtol=0, atol=0)
+    sum((r.float() * c).sum() for r, c in zip(reads, (2.0, 3.0, 5.0))).backward()
+    torch.testing.assert_close(v.grad, torch.full_like(v, 10.0), rtol=0, atol=0)
+    assert cast_once(v, torch.float32) is v
+    w = torch.randn(3, dtype=torch.float32, requires_grad=True)
+    with torch.no_grad():
+        cast_once(w, torch.bfloat16)
+    again = cast_once(w, torch.bfloat16)
+    assert again.requires_grad
+    again.float().sum().backward()
+    torch.testing.assert_close(w.grad, torch.ones(3), rtol=0, atol=0)
+    u = torch.ones(3)
+    first = cast_once(u, torch.bfloat16)
+    u.mul_(2)
+    torch.testing.assert_close(cast_once(u, torch.bfloat16).float(), torch.full((3,), 2.0), rtol=0, atol=0)
+    assert first.float().eq(1).all()
