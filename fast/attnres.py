@@ -60,8 +60,8 @@ def cast_once(v, dtype):
     dtype, grad mode and in-place version of v) and handed to every later read of v, so that
     a source read by n reads costs one cast forward and one backward, not n, and autograd sums
     its n gradients in `dtype` before the one cast back to v's dtype."""
-    if v.dtype == dtype:
-        return v
+    if v.dtype == dtype or torch.is_inference(v):  # an inference tensor has no version to key on
+        return v.to(dtype)
     key = (dtype, torch.is_grad_enabled(), v._version)
     kept = getattr(v, '_cast_once', None)
     if kept is None or kept[0] != key:
