@@ -22,6 +22,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
+import checkpoint  # noqa: E402
 from study import families  # noqa: E402
 from study.results import _scheme_color, read_all, run_command, run_status, seed_runs  # noqa: E402
 
@@ -76,26 +77,39 @@ def train_run(k, scheme, L, root=ROOT):
 def train(seeds=None, schemes=None, shapes=None, probe=True, root=ROOT):
     """Trains the planned runs (finished ones skipped, interrupted ones resumed: study/sweep.py),
     seed by seed, the deepest shape first (it serves every probe row and the deepest-shape
-    rows), probing each L = DEEPEST model as soon as it finishes. Returns the failures."""
+    rows), probing each L = DEEPEST model (and each Block AttnRes model, for its read weights) as
+    soon as it finishes. Returns the failures."""
     todo = planned(seeds, schemes, shapes)
     failures = []
     for k in dict.fromkeys(t[0] for t in todo):
         for L in sorted({L for kk, _, L in todo if kk == k}, reverse=True):
             for s in [s for kk, s, LL in todo if kk == k and LL == L]:
                 failures += train_run(k, s, L, root)
-                if probe and L == DEEPEST:
+                if probe and (L == DEEPEST or s == 'blockattnres'):
                     failures += probe_missing(root, N_SEEDS, only={k})
     return failures
 
 
-def deepest_runs(root=ROOT, seeds=3):
-    """(seed k, run) for the L = DEEPEST run of every mini scheme and seed that finished."""
+def finished_runs(root=ROOT, seeds=3, schemes=None, shapes=None):
+    """(seed k, run) for every mini run of these schemes and depths (None = all) that finished."""
     out = []
-    for run in families.runs('mini', shapes=[DEEPEST]):
+    for run in families.runs('mini', schemes, shapes):
         for r in seed_runs(run, root, seeds):
             if run_status(r, root) == 'finished':
                 out.append((r.info.get('seed', 0), r))
     return out
+
+
+def deepest_runs(root=ROOT, seeds=3):
+    """(seed k, run) for the L = DEEPEST run of every mini scheme and seed that finished."""
+    return finished_runs(root, seeds, shapes=[DEEPEST])
+
+
+def probe_targets(root=ROOT, seeds=3):
+    """(seed k, run, metrics): every metric on each L = DEEPEST model, and Block AttnRes's
+    read weights on its shallower models (whether the low-use segment grows with depth)."""
+    return [(k, r, PROBE_METRICS) for k, r in deepest_runs(root, seeds)] + \
+        [(k, r, ('block_weights',)) for k, r in finished_runs(root, seeds, ['blockattnres']) if r.L != DEEPEST]
 
 
 def probe_json(run, root=ROOT):
@@ -103,15 +117,15 @@ def probe_json(run, root=ROOT):
 
 
 def probe_missing(root=ROOT, seeds=3, only=None):
-    """Runs probe.py on every deepest checkpoint (of the seed indices in `only`, None = all)
-    whose probe.json lacks a metric (probe.py keeps what an earlier probe.json holds).
-    Returns the (name, reason) of failures."""
+    """Runs probe.py on every checkpoint of probe_targets (of the seed indices in `only`,
+    None = all) whose probe.json lacks one of its metrics (probe.py keeps what an earlier
+    probe.json holds). Returns the (name, reason) of failures."""
     failures = []
-    for k, run in deepest_runs(root, seeds):
+    for k, run, metrics in probe_targets(root, seeds):
         if only is not None and k not in only:
             continue
         have = _read(probe_json(run, root)) or {}
-        todo = [m for m in PROBE_METRICS if m not in have and m not in have.get('skipped', {})]
+        todo = [m for m in metrics if m not in have and m not in have.get('skipped', {})]
         if not todo:
             continue
         cmd = [sys.executable, 'probe.py', f'--ckpt={os.path.join(run.out_dir, "ckpt.pt")}',
@@ -173,8 +187,9 @@ def _mean(xs):
 
 def collect(root=ROOT, seeds=N_SEEDS, prior=None):
     """{'runs': one row per planned run (sweep.read_result's, with 'seed', and 'wall_s' and
-    'machine' where study/sweep.py timed it), 'probes': {scheme: {seed: summary}}, the budget
-    and the deepest L} from the out/ directories. A run or probe that out/ lacks is taken from
+    'machine' where study/sweep.py timed it), 'probes': {scheme: {seed: summary}} of the
+    L = DEEPEST models, 'low_use': {L: {seed: low-use sublayers}} of Block AttnRes's shallower
+    models, the budget and the deepest L} from the out/ directories. A run or probe that out/ lacks is taken from
     `prior` (a results dict; default the committed RESULTS), so a fresh checkout that trains
     only some seeds keeps the rest."""
     if prior is None:
@@ -199,8 +214,14 @@ def collect(root=ROOT, seeds=N_SEEDS, prior=None):
         if p and (run.scheme, run.L, k) in plan:
             probes.setdefault(run.scheme, {})[str(k)] = probe_summary(p, run.L)
     probes = {s: dict(sorted(v.items(), key=lambda kv: int(kv[0]))) for s, v in probes.items()}
+    low_use = {L: dict(v) for L, v in (prior.get('low_use') or {}).items()}
+    for k, run in finished_runs(root, seeds, ['blockattnres']):
+        p = _read(probe_json(run, root))
+        if p and 'block_weights' in p and run.L != DEEPEST and ('blockattnres', run.L, k) in plan:
+            low_use.setdefault(str(run.L), {})[str(k)] = p['block_weights']['dead_sublayers']
+    low_use = {L: dict(sorted(low_use[L].items(), key=lambda kv: int(kv[0]))) for L in sorted(low_use, key=int)}
     return {'family': 'mini', 'tokens_per_backbone_param': families.MINI_TOKENS_PER_PARAM,
-            'deepest': DEEPEST, 'runs': rows, 'probes': probes}
+            'deepest': DEEPEST, 'runs': rows, 'probes': probes, 'low_use': low_use}
 
 
 ALPHA = 0.05  # the family-wise error rate of the findings table (Holm over its tested rows)
@@ -357,13 +378,25 @@ def findings(results):
                 f"{P[key][s]:.0%} vs {P[key]['preln']:.0%}", probe_diff(key, s, 'preln'), +1,
                 f"{key} difference, paired by seed",
                 note=f"seeds differ by {', '.join(f'{q:+d}' for q in pairs)} of {n_late} late pairs" if diffs else '')
-    low = [probe('blockattnres', k, 'low_use_sublayers') for k in seeds]
-    depths = [results['deepest']] if any(x is not None for x in low) else []
-    add(f"Block AttnRes: an early low-use segment that grows with depth (L {L})",
-        "2 / 5 / 8 layers at L = 16 / 24 / 32", [None if x is None else x / 2 for x in low], +1,
-        'leading layers (sublayers / 2) whose reads put < 0.1 on the running block sum',
-        untestable=None if len(depths) > 1 else "the claim is growth with depth; probed at "
-        + (f"one depth (L = {depths[0]})" if depths else "no depth"))
+    low = {int(d): {int(k): n for k, n in v.items()} for d, v in (results.get('low_use') or {}).items()}
+    for k in seeds:  # the deepest models' counts are in their probe summaries
+        if probe('blockattnres', k, 'low_use_sublayers') is not None:
+            low.setdefault(results['deepest'], {})[k] = probe('blockattnres', k, 'low_use_sublayers')
+    depths = sorted(d for d in low if low[d])
+    if len(depths) > 1:  # growth over the last doubling probed, in layers (two sublayers each)
+        d1, d2 = depths[-2:]
+        add(f"Block AttnRes: an early low-use segment that grows with depth (L {d1} -> {d2})",
+            "2 / 5 / 8 layers at L = 16 / 24 / 32", [(low[d2][k] - low[d1][k]) / 2 if k in low[d1] and k in low[d2]
+                                                     else None for k in seeds], +1,
+            'growth of the leading layers (sublayers / 2) whose reads put < 0.1 on the running block sum, '
+            'paired by seed')
+    else:
+        add(f"Block AttnRes: an early low-use segment that grows with depth (L {L})",
+            "2 / 5 / 8 layers at L = 16 / 24 / 32", [None if low.get(L, {}).get(k) is None else low[L][k] / 2
+                                                     for k in seeds], +1,
+            'leading layers (sublayers / 2) whose reads put < 0.1 on the running block sum',
+            untestable="the claim is growth with depth; probed at " + (f"one depth (L = {depths[0]})" if depths
+                                                                       else "no depth"))
     mhc = _mean([probe('mhc', k, 'erank') for k in seeds])
     add(f"HC's composed residual map has a higher effective rank than mHC's (L {L})", "2.53-2.81 vs 1.44-1.65",
         probe_diff('erank', 'hc', 'mhc'), +1, 'erank difference, paired by seed',
@@ -468,6 +501,8 @@ def format_seeds(results):
     probed = {s: sorted(int(k) for k in v) for s, v in results['probes'].items()}
     lines.append(f"- probes at L = {results['deepest']}: " + '; '.join(
         f"{s} seeds {_seed_list(probed[s])}" for s in families.MINI_SCHEMES if s in probed))
+    for L, v in (results.get('low_use') or {}).items():
+        lines.append(f"- Block AttnRes's read weights (block_weights) at L = {L}: seeds {_seed_list(sorted(map(int, v)))}")
     return "\n".join(lines)
 
 
@@ -767,10 +802,7 @@ def main(argv=None):
         results = collect(ROOT, a.seeds)
         a.out = a.out or os.path.dirname(RESULTS)
         os.makedirs(os.path.join(ROOT, a.out), exist_ok=True)
-        path = os.path.join(ROOT, a.out, 'results.json')
-        with open(path + '.tmp', 'w') as f:
-            json.dump(results, f, indent=1)
-        os.replace(path + '.tmp', path)
+        checkpoint.write_json(os.path.join(ROOT, a.out, 'results.json'), results)  # a temp name of its own
         if a.out == os.path.dirname(RESULTS):  # the committed results: docs/mini.md's blocks follow them
             doc = os.path.join(ROOT, 'docs', 'mini.md')
             try:
@@ -779,8 +811,7 @@ def main(argv=None):
             except (OSError, ValueError) as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
-            with open(doc, 'w') as f:
-                f.write(text)
+            checkpoint.atomic_write(doc, lambda tmp: checkpoint.write_bytes(tmp, text.encode()))
             print(f"wrote {doc}")
     report(results, os.path.join(ROOT, a.out))
     return 1 if failures else 0

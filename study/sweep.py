@@ -176,9 +176,7 @@ def record_wall_time(run, root, seconds):
     had = _read_json(path) or {}
     rec = {'wall_s': round(float(had.get('wall_s') or 0) + seconds, 1), 'launches': int(had.get('launches') or 0) + 1,
            'machine': machine()}
-    with open(path + '.tmp', 'w') as f:
-        json.dump(rec, f, indent=1)
-    os.replace(path + '.tmp', path)
+    checkpoint.write_json(path, rec)
 
 
 def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_node=None, nnodes=1, root=None,
@@ -415,8 +413,7 @@ def main(argv):
             results = mini.collect(ROOT, n_seeds)
             collect('mini', ROOT, n_seeds)
             os.makedirs(os.path.join(ROOT, 'out', 'mini'), exist_ok=True)
-            with open(os.path.join(ROOT, 'out', 'mini', 'study.json'), 'w') as f:
-                json.dump(results, f, indent=1)
+            checkpoint.write_json(os.path.join(ROOT, 'out', 'mini', 'study.json'), results)
             mini.report(results, os.path.join(ROOT, 'out', 'mini'))
     else:
         rows = collect(opts['family'], seeds=n_seeds)

@@ -143,6 +143,12 @@ def test_findings_from_probes_are_paired_by_seed():
     low = rows['Block AttnRes: an early low-use segment that grows with depth (L 8)']
     assert (low['mean'], low['n'], low['se']) == (1.0, 2, 0.0)               # 2 sublayers = 1 layer
     assert low['verdict'] == 'not testable here' and 'one depth (L = 8)' in low['note']
+    # probed at L = 4 too (seeds 0-2; seed 2 has no L = 8 probe): the growth, paired by seed, in layers
+    low_use = {'4': {'0': 1, '1': 0, '2': 1}}
+    rows = {r['finding']: r for r in mini.findings({'runs': runs, 'probes': probes, 'deepest': 8, 'low_use': low_use})}
+    low = rows['Block AttnRes: an early low-use segment that grows with depth (L 4 -> 8)']
+    assert (low['mean'], low['n']) == (0.75, 2) and low['se'] == pytest.approx(0.25)   # (2-1)/2, (2-0)/2
+    assert low['p'] is not None and low['verdict'] == 'not resolved at this scale'
     # mHC's maps still at their identity init (erank within 0.05 of m = 4): no erank verdict
     probes['mhc'] = {k: {'erank': 3.99} for k in '012'}
     rows = {r['finding']: r for r in mini.findings({'runs': runs, 'probes': probes, 'deepest': 8})}
@@ -223,6 +229,29 @@ def test_collect_keeps_the_prior_results_and_adds_out(tmp_path):
     assert (new['val_loss'], new['status'], new['iter']) == (1.70, 'finished', 491)                # from out/
     assert new['wall_s'] == 61.5 and new['machine']['cpus'] == os.cpu_count()
     assert by[('hc', 8, 5)]['status'] == 'missing' and res['probes'] == prior['probes']
+    assert res['low_use'] == {}
+
+
+def test_block_attnres_read_weights_are_probed_and_collected_at_every_depth(tmp_path, monkeypatch):
+    runs = {L: next(iter(families.runs('mini', ['blockattnres'], [L]))) for L in (4, 8)}
+    for L, run in runs.items():
+        _finish(tmp_path, results.seeded(run, 1), 1.7)
+    targets = {(k, r.L): m for k, r, m in mini.probe_targets(str(tmp_path), seeds=2)}
+    assert targets == {(1, 8): mini.PROBE_METRICS, (1, 4): ('block_weights',)}
+    seen = []
+    monkeypatch.setattr(mini, 'run_command', lambda cmd, cwd: seen.append(cmd[1:]) or 0)
+    assert mini.probe_missing(str(tmp_path), seeds=2) == []
+    assert [c for c in seen if 'blockattnres_L4_seed1' in c[1]] == [
+        ['probe.py', f"--ckpt={os.path.join('out', 'mini', 'blockattnres_L4_seed1', 'ckpt.pt')}",
+         '--metrics=block_weights', *mini.PROBE_ARGS]]
+    for L, n in ((4, 1), (8, 3)):
+        d = tmp_path / results.seeded(runs[L], 1).out_dir / 'probe'
+        d.mkdir()
+        (d / 'probe.json').write_text(json.dumps({'block_weights': {'dead_sublayers': n}}))
+    res = mini.collect(str(tmp_path), prior={'runs': [], 'probes': {}, 'deepest': 8, 'tokens_per_backbone_param': 2.5,
+                                              'low_use': {'4': {'0': 2}}})
+    assert res['low_use'] == {'4': {'0': 2, '1': 1}}                      # the prior's seed 0 kept
+    assert res['probes']['blockattnres']['1']['low_use_sublayers'] == 3   # L = 8 with the other probes
 
 
 @committed

@@ -1,5 +1,5 @@
 """Two result collections at once: two real processes write one results file over and over
-at the same time (study/sweep.py's collect, bench.py's write_json). Each must finish
+at the same time (study/sweep.py's collect, study/mini.py's results, bench.py's write_json). Each must finish
 without an error, the file must be one whole JSON document written by one of them, and no
 temporary file may be left behind.
 Run: python -m pytest tests/test_result_files.py -q"""
@@ -62,4 +62,16 @@ def test_two_sweep_collections_at_once(tmp_path):
     path = root / 'out' / 'mini' / 'results.json'
     doc = json.loads(path.read_text())
     assert doc['family'] == 'mini' and len(doc['runs']) > 0
+    assert sorted(p.name for p in path.parent.iterdir()) == ['results.json']
+
+
+def test_two_mini_collections_at_once(tmp_path):
+    # study/mini.py writes its results.json at the end of every share of the plan: processes that
+    # share the plan finish at about the same time (the report's figures left out here)
+    race(tmp_path, "from study import mini\nimport contextlib, io\nmini.report = lambda results, out_dir: None",
+         "with contextlib.redirect_stdout(io.StringIO()): assert mini.main(['--probe=False', "
+         "'--out=' + os.path.dirname(path)]) == 0")
+    path = tmp_path / 'out' / 'results.json'
+    doc = json.loads(path.read_text())
+    assert doc['family'] == 'mini' and len(doc['runs']) == 72
     assert sorted(p.name for p in path.parent.iterdir()) == ['results.json']
