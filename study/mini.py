@@ -191,17 +191,27 @@ def collect(root=ROOT, seeds=N_SEEDS, prior=None):
     L = DEEPEST models, 'low_use': {L: {seed: low-use sublayers}} of Block AttnRes's shallower
     models, the budget and the deepest L} from the out/ directories. A run or probe that out/ lacks is taken from
     `prior` (a results dict; default the committed RESULTS), so a fresh checkout that trains
-    only some seeds keeps the rest."""
+    only some seeds keeps the rest. Every planned seed is read, whatever `seeds`; a run that
+    finished at another length than its config's max_iters (a short trial in the study's
+    out_dir) is not the planned run: one warning line, and the prior's row and probes stand."""
     if prior is None:
         prior = _read(os.path.join(root, RESULTS))
     prior = prior if is_results(prior) else {'runs': [], 'probes': {}}
     old = {(r['scheme'], r['L'], r.get('seed', 0)): r for r in prior['runs'] if r.get('status') == 'finished'}
     plan = {(s, L, k) for k, s, L in planned()}
+    seeds = max(seeds, N_SEEDS)
+    length = {(run.scheme, run.L): run.config.get('max_iters') for run in families.runs('mini')}
+    other = set()  # (scheme, L, seed) of runs in out/ that are not the planned run
     rows = []
     for r in read_all('mini', root, seeds):
         key = (r['scheme'], r['L'], r['seed'])
         if key not in plan:
             continue
+        if r['status'] == 'finished' and r['max_iters'] != length[key[:2]]:
+            print(f"warning: {r['out_dir']} finished at max_iters={r['max_iters']}, not the planned "
+                  f"{length[key[:2]]}: left out" + (f" ({RESULTS}'s row kept)" if key in old else ''), file=sys.stderr)
+            other.add(key)
+            r = dict(r, status='unfinished')
         if r['status'] != 'finished' and key in old:
             r = old[key]
         else:
@@ -211,13 +221,13 @@ def collect(root=ROOT, seeds=N_SEEDS, prior=None):
     probes = {s: dict(v) for s, v in prior['probes'].items()}
     for k, run in deepest_runs(root, seeds):
         p = _read(probe_json(run, root))
-        if p and (run.scheme, run.L, k) in plan:
+        if p and (run.scheme, run.L, k) in plan - other:
             probes.setdefault(run.scheme, {})[str(k)] = probe_summary(p, run.L)
     probes = {s: dict(sorted(v.items(), key=lambda kv: int(kv[0]))) for s, v in probes.items()}
     low_use = {L: dict(v) for L, v in (prior.get('low_use') or {}).items()}
     for k, run in finished_runs(root, seeds, ['blockattnres']):
         p = _read(probe_json(run, root))
-        if p and 'block_weights' in p and run.L != DEEPEST and ('blockattnres', run.L, k) in plan:
+        if p and 'block_weights' in p and run.L != DEEPEST and ('blockattnres', run.L, k) in plan - other:
             low_use.setdefault(str(run.L), {})[str(k)] = p['block_weights']['dead_sublayers']
     low_use = {L: dict(sorted(low_use[L].items(), key=lambda kv: int(kv[0]))) for L in sorted(low_use, key=int)}
     return {'family': 'mini', 'tokens_per_backbone_param': families.MINI_TOKENS_PER_PARAM,
@@ -760,11 +770,20 @@ def report(results, out_dir):
             print(f"wrote {p}")
 
 
+def positive_int(text):
+    """argparse type: an integer >= 1 (argparse turns the ValueError into one line)."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return n
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--results', help="read this results.json instead of out/mini (e.g. the committed "
                                      f"{RESULTS}); nothing is probed or written but the figures")
-    p.add_argument('--seeds', type=int, default=N_SEEDS, help=f"seed indices 0..N-1 to collect ({N_SEEDS})")
+    p.add_argument('--seeds', type=positive_int, default=N_SEEDS,
+                   help=f"seed indices 0..N-1 to collect and probe; every planned seed is always collected ({N_SEEDS})")
     p.add_argument('--train', action='store_true', help="first train and probe the planned runs (PLAN) that "
                                                           "are not finished, seed by seed")
     p.add_argument('--seed', default=None, help="with --train: only these seed indices, e.g. 3,5,7")

@@ -206,10 +206,11 @@ def test_the_plan_and_its_splits():
     assert mini.planned(seeds={4}, schemes=['mhc']) == []       # seeds 3-7 are Pre-LN, Full AttnRes and HC only
 
 
-def _finish(root, run, loss, wall=None):
+def _finish(root, run, loss, wall=None, max_iters=None):
     d = root / run.out_dir
     d.mkdir(parents=True)
-    (d / 'summary.json').write_text(json.dumps({'finished': True, 'val_loss': loss, 'iter': 491, 'max_iters': 491,
+    n = max_iters or run.config['max_iters']  # the planned length unless given
+    (d / 'summary.json').write_text(json.dumps({'finished': True, 'val_loss': loss, 'iter': n, 'max_iters': n,
                                                 'tokens': 2011136, 'n_params': 869760}))
     if wall is not None:
         sweep.record_wall_time(run, str(root), wall)
@@ -230,6 +231,21 @@ def test_collect_keeps_the_prior_results_and_adds_out(tmp_path):
     assert new['wall_s'] == 61.5 and new['machine']['cpus'] == os.cpu_count()
     assert by[('hc', 8, 5)]['status'] == 'missing' and res['probes'] == prior['probes']
     assert res['low_use'] == {}
+
+
+def test_a_short_trial_in_the_study_out_dir_never_replaces_a_planned_run(tmp_path, capsys):
+    # `train.py config/mini/preln_L2.py --max_iters=5` writes a finished run into the study's own
+    # out_dir; the committed 461-step result must stand, with one line saying why
+    pre2 = next(r for r in families.runs('mini', ['preln'], [2]))
+    prior = {'family': 'mini', 'tokens_per_backbone_param': 2.5, 'deepest': 8, 'probes': {},
+             'runs': [dict(results.read_result(pre2, str(tmp_path)), seed=0, status='finished', val_loss=1.79,
+                           max_iters=461)]}
+    _finish(tmp_path, pre2, 3.99, max_iters=5)
+    by = {(r['scheme'], r['L'], r['seed']): r for r in mini.collect(str(tmp_path), seeds=1, prior=prior)['runs']}
+    assert by[('preln', 2, 0)]['val_loss'] == 1.79 and by[('preln', 2, 0)]['max_iters'] == 461
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and 'max_iters=5, not the planned 461' in err[0]
+    assert len(by) == len(mini.planned())        # seeds=1 still collects every planned seed
 
 
 def test_block_attnres_read_weights_are_probed_and_collected_at_every_depth(tmp_path, monkeypatch):
@@ -294,6 +310,12 @@ def test_train_goes_seed_by_seed_deepest_first_and_probes_each_deep_model(monkey
                      (3, ['preln'], [4]), (3, ['hc'], [4]),
                      (4, ['preln'], [8]), ('probe', {4}), (4, ['hc'], [8]), ('probe', {4}),
                      (4, ['preln'], [4]), (4, ['hc'], [4])]
+
+
+def test_seeds_below_one_are_refused_before_anything_is_written(capsys):
+    with pytest.raises(SystemExit) as e:
+        mini.main(['--seeds=0'])
+    assert e.value.code == 2 and '0 is not a positive integer' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('args, message', [(['--train', '--seed=x'], 'comma-separated integers'),
