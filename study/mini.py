@@ -802,6 +802,9 @@ def main(argv=None):
             return 2
         a.out = a.out or os.path.join('out', 'mini')  # the committed figures stay as they are
     else:
+        if not a.train and (a.seed or a.schemes or a.shapes):
+            print("error: --seed, --schemes and --shapes choose runs to train: use them with --train", file=sys.stderr)
+            return 2
         if a.train:
             try:
                 pick = [None if x is None else [y.strip() for y in x.split(',') if y.strip()]
@@ -812,8 +815,9 @@ def main(argv=None):
                       file=sys.stderr)
                 return 2
             if not planned(seeds, pick[1], shapes):
-                print(f"error: no planned run has seed {a.seed}, scheme {a.schemes} and L {a.shapes} (PLAN in "
-                      f"study/mini.py)", file=sys.stderr)
+                asked = ', '.join(f"{n} {v}" for n, v in (('seed', a.seed), ('scheme', a.schemes), ('L', a.shapes)) if v)
+                print(f"error: no planned run has {asked} (PLAN in study/mini.py: seeds 0-{N_SEEDS - 1}, schemes "
+                      f"{', '.join(families.MINI_SCHEMES)}, L {', '.join(map(str, families.MINI_DEPTHS))})", file=sys.stderr)
                 return 2
             failures = train(seeds, pick[1], shapes, a.probe)
         elif a.probe:

@@ -319,7 +319,8 @@ def test_seeds_below_one_are_refused_before_anything_is_written(capsys):
 
 
 @pytest.mark.parametrize('args, message', [(['--train', '--seed=x'], 'comma-separated integers'),
-                                            (['--train', '--seed=4', '--schemes=mhc'], 'no planned run')])
+                                            (['--train', '--seed=4', '--schemes=mhc'], 'no planned run has seed 4, scheme mhc'),
+                                            (['--shapes=4'], 'use them with --train')])
 def test_a_bad_training_choice_is_one_line(capsys, args, message):
     assert mini.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
