@@ -20,10 +20,10 @@ sys.path.insert(0, str(REPO))
 from study import families, mini, sweep  # noqa: E402
 
 
-def _write_summary(root, out_dir, val_loss, n_params=None, finished=True):
+def _write_summary(root, out_dir, val_loss, n_params=None, finished=True, max_iters=100):
     d = root / out_dir
     d.mkdir(parents=True, exist_ok=True)
-    (d / 'summary.json').write_text(json.dumps(dict(finished=finished, iter=100, max_iters=100, val_loss=val_loss,
+    (d / 'summary.json').write_text(json.dumps(dict(finished=finished, iter=max_iters, max_iters=max_iters, val_loss=val_loss,
                                                     train_loss=val_loss - 0.05, n_params=n_params, tokens=409600)))
 
 
@@ -243,7 +243,7 @@ def test_cross_scale_size_plot(tmp_path):
 
 
 def test_plot_only_cli(repo, capsys):
-    _write_summary(repo, 'out/mini/preln_L2', 1.7)
+    _write_summary(repo, 'out/mini/preln_L2', 1.7, max_iters=461)  # the mini study reads runs of its planned length
     assert sweep.main(['family=mini', 'plot_only=True']) == 0
     assert (repo / 'out' / 'mini' / 'loss_vs_ratio.png').exists()
     assert '1 finished, 0 unfinished, 13 missing' in capsys.readouterr().out
