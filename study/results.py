@@ -81,10 +81,13 @@ def _read_metrics(path):
 def read_result(run, root=None):
     """
     One row of results.json for a run: its shape and Pre-LN parameter counts, and
-    from out_dir either summary.json (status 'finished'), or the last eval of
-    metrics.jsonl (status 'unfinished'; val_loss None if it has not evaluated yet),
-    or nothing (status 'missing'). Losses in nats per token; n_params is train.py's
-    exact count (None until known); params_M the count used in plots.
+    from out_dir either summary.json (status 'finished'; 'other_length' when it
+    finished at another length than the run's config, e.g. a shortened smoke test in the
+    study's out_dir: its numbers are kept but no summary or plot counts it), or the last
+    eval of metrics.jsonl (status 'unfinished'; val_loss None if it has not evaluated
+    yet), or nothing (status 'missing'). Losses in nats per token; n_params is
+    train.py's exact count (None until known); params_M the count used in plots;
+    'other_length' says how the length differs (length_mismatch).
     """
     row = dict(name=run.name, family=run.family, scheme=run.scheme, L=run.L, d=run.d, ratio=run.ratio,
                dataset=run.config.get('dataset'),
@@ -97,6 +100,9 @@ def read_result(run, root=None):
         row.update(status='finished', val_loss=summary.get('val_loss'), train_loss=summary.get('train_loss'),
                    iter=summary.get('iter'), max_iters=summary.get('max_iters'),
                    tokens=summary.get('tokens'), n_params=summary.get('n_params'))
+        why = length_mismatch(run.config, row)
+        if why:
+            row.update(status='other_length', other_length=why)
     elif metrics or summary is not None or os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
         evals = [m for m in metrics if m.get('val_loss') is not None]
         train = [m for m in metrics if m.get('train_loss') is not None]
@@ -110,6 +116,20 @@ def read_result(run, root=None):
                    tokens=None, n_params=None)
     row['params_M'] = (row['n_params'] or run.total) / 1e6
     return row
+
+
+def length_mismatch(config, row):
+    """How a finished row's training length differs from its config's, or None: the config's
+    max_iters when it fixes one; otherwise tokens_per_param x n_params tokens, to within 1%
+    (a --batch_size or --gradient_accumulation_steps override moves where the last step ends)."""
+    if config.get('max_iters') is not None:
+        if row.get('max_iters') is not None and row['max_iters'] != config['max_iters']:
+            return f"finished at max_iters={row['max_iters']}, not the planned {config['max_iters']}"
+        return None
+    tpp, n, tokens = config.get('tokens_per_param'), row.get('n_params'), row.get('tokens')
+    if None in (tpp, n, tokens) or abs(tokens / (tpp * n) - 1) <= 0.01:
+        return None
+    return f"trained {tokens / n:.3g} tokens per parameter, not the planned {tpp:g}"
 
 
 def seed_runs(run, root=None, seeds=1):
@@ -241,8 +261,8 @@ def plot_loss_vs_ratio(panels, path):
                 s = summ.get((scheme, L))
                 x = mine[0]['ratio'] * shift
                 if s is None:  # no finished seed: the latest eval of an unfinished one, if past step 0
-                    last = max(mine, key=lambda r: r['iter'] or 0)
-                    if last['iter']:
+                    last = max(mine, key=lambda r: (r['status'] == 'unfinished') * (r['iter'] or 0))
+                    if last['status'] == 'unfinished' and last['iter']:
                         pts.append((x, last['val_loss'], None, False))
                 else:
                     pts.append((x, s['mean'], s['se'], True))

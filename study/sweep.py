@@ -15,7 +15,7 @@ another, then collect the results and plot validation loss against shape.
   - out_dir/summary.json says finished  -> skipped;
   - out_dir/ckpt.pt exists               -> continued with --init_from=resume;
   - otherwise                            -> started.
-Each launch adds its wall time and the machine to out_dir/wall_time.json.
+Each launch adds its wall time, the machine and the commit to out_dir/wall_time.json.
 A run that fails (non-zero exit, or exit 0 without a finished summary.json) does
 not stop the sweep; failures are listed at the end and the exit status is 1.
 Output of train.py streams to the terminal. Paths (config/, out/) are relative to
@@ -47,8 +47,9 @@ seeds=N trains every run N times, seed by seed (all runs of seed 0, then of seed
 seed k > 0 adds --seed=1337+k and trains into <out_dir>_seed<k>. seed=K trains only seed
 index K: three processes `seeds=3 seed=0|1|2 probe=False` side by side share the work.
 extra= changes every run it touches, in place: a shortened smoke test
-(extra=--max_iters=20) finishes into the real out_dir and is then skipped, so
-delete those out_dirs (or use a copy of the repo) before the real sweep.
+(extra=--max_iters=20) finishes into the real out_dir and is then skipped (with a
+line saying so) and left out of the summary, so delete those out_dirs (or use a copy
+of the repo) before the real sweep.
 """
 
 import json
@@ -65,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import checkpoint  # noqa: E402
 from study import families, mini  # noqa: E402
 from study.results import (_budget, _read_json, _with_loss, format_summary, plot_loss_vs_ratio, plot_loss_vs_size,  # noqa: E402
-                           read_all, run_status, seeded, summarize)
+                           read_all, read_result, run_status, seeded, summarize)
 
 ROOT = families.ROOT
 OPTIONS = {  # option -> (default, help)
@@ -167,15 +168,30 @@ def machine():
             'threads': os.environ.get('OMP_NUM_THREADS')}
 
 
-def record_wall_time(run, root, seconds):
+def code_version(root):
+    """The commit checked out at root (12 hex digits), with '-dirty' when tracked files differ
+    from it; None where root is not a git checkout or git is missing."""
+    try:
+        head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=root, capture_output=True, text=True, timeout=30)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(['git', 'diff', '--quiet', 'HEAD', '--'], cwd=root, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip()[:12] + ('-dirty' if dirty.returncode != 0 else '')
+
+
+def record_wall_time(run, root, seconds, commit=None):
     """Adds `seconds` of this launch of a run to out_dir/wall_time.json ({'wall_s', 'launches',
-    'machine'}): a resumed run sums its launches."""
+    'machine', 'commits'}): a resumed run sums its launches, and 'commits' lists each code
+    version (code_version at launch) that trained it, so a run resumed on other code says so."""
     path = os.path.join(root, run.out_dir, 'wall_time.json')
     if not os.path.isdir(os.path.dirname(path)):
         return
     had = _read_json(path) or {}
+    commits = [c for c in had.get('commits') or [] if isinstance(c, str)]
     rec = {'wall_s': round(float(had.get('wall_s') or 0) + seconds, 1), 'launches': int(had.get('launches') or 0) + 1,
-           'machine': machine()}
+           'machine': machine(), 'commits': commits + [commit] if commit and commit not in commits else commits}
     checkpoint.write_json(path, rec)
 
 
@@ -228,7 +244,9 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
         if not os.path.exists(os.path.join(root, r.config_path)):
             raise FileNotFoundError(f"{r.config_path} not found: run `python study/families.py` to generate the configs")
         if status == 'finished':
-            print(f"# {head}: finished, skipped", flush=True)
+            other = read_result(r, root).get('other_length')  # e.g. a shortened smoke test in the real out_dir
+            print(f"# {head}: finished, skipped" + (f" -- but it {other}: delete {r.out_dir} to train the planned run"
+                                                     if other else ''), flush=True)
             continue
         cmd = train_command(r, status, extra, nproc_per_node, nnodes, launcher, python)
         if run == 'print':
@@ -237,9 +255,9 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
             continue
         print(f"=== {head}: {'resuming' if status == 'interrupted' else 'starting'}\n$ {format_command(cmd)}", flush=True)
         _running['run'] = (r, root)
-        t0 = time.time()
+        commit, t0 = code_version(root), time.time()
         rc = run_command(cmd, root)
-        record_wall_time(r, root, time.time() - t0)
+        record_wall_time(r, root, time.time() - t0, commit)
         if rc != 0:
             failures.append((r.name, f"exit status {rc}"))
         elif run_status(r, root) != 'finished':
@@ -263,10 +281,14 @@ def collect(family, root=None, seeds=1):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     text = json.dumps(dict(family=family, runs=rows, summary=summarize(rows)), indent=1)
     checkpoint.atomic_write(path, lambda tmp: checkpoint.write_bytes(tmp, text.encode()))  # a temp name per process
-    n = {s: sum(r['status'] == s for r in rows) for s in ('finished', 'unfinished', 'missing')}
+    for r in rows:
+        if r['status'] == 'other_length':
+            print(f"warning: {r['out_dir']} {r['other_length']}: left out of the summary", file=sys.stderr)
+    n = {s: sum(r['status'] == s for r in rows) for s in ('finished', 'other_length', 'unfinished', 'missing')}
     n_seeds = max((sum(1 for x in rows if x['name'].split('_seed')[0] == r.name) for r in families.runs(family)),
                   default=1)
-    print(f"{family}: {n['finished']} finished, {n['unfinished']} unfinished, {n['missing']} missing "
+    print(f"{family}: {n['finished']} finished, " + (f"{n['other_length']} at another length, " if n['other_length'] else '')
+          + f"{n['unfinished']} unfinished, {n['missing']} missing "
           f"(up to {n_seeds} seed{'s' if n_seeds > 1 else ''} per run) -> {os.path.relpath(path, root)}")
     return rows
 

@@ -9,6 +9,7 @@ collect + plot from fake summary.json / metrics.jsonl files.
 import json
 import math
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,10 +18,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from study import families, mini, sweep  # noqa: E402
+from study import families, mini, results, sweep  # noqa: E402
 
 
-def _write_summary(root, out_dir, val_loss, n_params=None, finished=True, max_iters=100):
+def _planned_iters(out_dir):
+    """The max_iters a family's config sets for the run at out_dir (any seed), else 100."""
+    base = out_dir.split('_seed')[0]
+    return next((r.config['max_iters'] for r in families.all_runs() if r.out_dir == base and 'max_iters' in r.config), 100)
+
+
+def _write_summary(root, out_dir, val_loss, n_params=None, finished=True, max_iters=None):
+    """A finished run's summary.json, at its config's length unless max_iters is given."""
+    max_iters = max_iters or _planned_iters(out_dir)
     d = root / out_dir
     d.mkdir(parents=True, exist_ok=True)
     (d / 'summary.json').write_text(json.dumps(dict(finished=finished, iter=max_iters, max_iters=max_iters, val_loss=val_loss,
@@ -308,3 +317,62 @@ def test_seed_summary_mean_and_standard_error(tmp_path):
     assert 'L = 4: best hc; others preln +0.080 ± 0.042' in table
     (png,) = sweep.plot('mini', rows, root=str(tmp_path))
     assert _png_size(png)[0] > 0
+
+
+def test_a_run_of_another_length_is_left_out_of_every_summary(repo, monkeypatch, capsys):
+    # a shortened smoke test (`extra=--max_iters=5`) finished into the real out_dir of a
+    # fixed-length run, and a token-budget run trained on half its tokens per parameter
+    _write_summary(repo, 'out/mini/preln_L2', 2.9, max_iters=5)
+    _write_summary(repo, 'out/mini/preln_L2_seed1', 1.8)
+    main = next(r for r in families.runs('main') if 'max_iters' not in r.config)
+    n = main.total
+    tpp = main.config['tokens_per_param']
+    for k, tokens in ((0, tpp * n / 2), (1, tpp * n * 1.002), (2, tpp * n * 2)):  # half / the last step's overshoot / twice
+        out = results.seeded(main, k).out_dir
+        _write_summary(repo, out, 3.0 + k, n_params=n)
+        s = json.loads((repo / out / 'summary.json').read_text())
+        (repo / out / 'summary.json').write_text(json.dumps(dict(s, tokens=int(tokens))))
+    rows = sweep.collect('mini', root=str(repo), seeds=2)
+    by = {(r['name'], r['seed']): r for r in rows}
+    assert by[('preln_L2', 0)]['status'] == 'other_length' and by[('preln_L2_seed1', 1)]['status'] == 'finished'
+    cell = next(s for s in results.summarize(rows) if (s['scheme'], s['L']) == ('preln', 2))
+    assert cell['values'] == [1.8]                               # the 5-step loss is in no mean
+    out = capsys.readouterr()
+    assert 'out/mini/preln_L2 finished at max_iters=5, not the planned 461: left out' in out.err
+    assert '1 at another length' in out.out
+    rows = sweep.collect('main', root=str(repo), seeds=3)
+    status = {r['seed']: r['status'] for r in rows if r['name'].split('_seed')[0] == main.name}
+    assert status == {0: 'other_length', 1: 'finished', 2: 'other_length'}
+    assert f'trained 10 tokens per parameter, not the planned {tpp:g}' in capsys.readouterr().err
+    # the sweep still skips the shortened run, with a line saying how to train the planned one
+    monkeypatch.setattr(sweep, 'run_command', Recorder(repo))
+    sweep.sweep('mini', schemes=['preln'], shapes=[2])
+    line = next(x for x in capsys.readouterr().out.splitlines() if 'preln_L2 ' in x)
+    assert 'finished, skipped -- but it finished at max_iters=5' in line and 'delete out/mini/preln_L2' in line
+
+
+def _git(root, *args):
+    subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@t', *args], cwd=root, check=True,
+                   capture_output=True)
+
+
+def test_wall_time_records_the_commit_of_each_launch(repo, monkeypatch, tmp_path_factory):
+    _git(repo, 'init', '-q')
+    _git(repo, 'add', 'train.py', 'config')
+    _git(repo, 'commit', '-q', '-m', 'a')
+    head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=repo, capture_output=True, text=True).stdout.strip()
+    assert sweep.code_version(str(repo)) == head[:12]
+    run = next(iter(families.runs('mini', ['preln'], [2])))
+    monkeypatch.setattr(sweep, 'run_command', Recorder(repo))
+    sweep.sweep('mini', schemes=['preln'], shapes=[2])          # launched through the sweep
+    wall = json.loads((repo / run.out_dir / 'wall_time.json').read_text())
+    assert wall['commits'] == [head[:12]] and wall['launches'] == 1
+    # resumed after an edit of a tracked file: both versions are on record, once each
+    (repo / 'train.py').write_text("raise SystemExit('edited')\n")
+    assert sweep.code_version(str(repo)) == head[:12] + '-dirty'
+    for _ in range(2):
+        sweep.record_wall_time(run, str(repo), 1.0, sweep.code_version(str(repo)))
+    wall = json.loads((repo / run.out_dir / 'wall_time.json').read_text())
+    assert wall['commits'] == [head[:12], head[:12] + '-dirty'] and wall['launches'] == 3
+    assert sweep.code_version(str(repo / 'out')) == head[:12] + '-dirty'   # a subfolder is the same checkout
+    assert sweep.code_version(str(tmp_path_factory.mktemp('not_a_checkout'))) is None
