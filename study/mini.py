@@ -164,7 +164,7 @@ def probe_summary(p, L):
     if 'logit_lens' in p:  # KL(final || lens) after the middle block, nats
         s['lens_kl_mid'] = p['logit_lens']['kl'][L // 2]
     if 'block_weights' in p:
-        s['low_use_sublayers'] = p['block_weights']['dead_sublayers']
+        s['low_use_sublayers'] = _low_use(p['block_weights'])
     if 'propagation' in p:
         e = p['propagation']['erank']
         s['erank'], s['erank_lo'], s['erank_hi'] = _scalar(e['mean']), _scalar(e['lo']), _scalar(e['hi'])
@@ -185,9 +185,15 @@ def _mean(xs):
 # -----------------------------------------------------------------------------
 # results and findings
 
+def _low_use(bw):
+    """The low-use sublayers of a block_weights result (probe files written before the key's
+    rename call it 'dead_sublayers')."""
+    return bw['low_use_sublayers'] if 'low_use_sublayers' in bw else bw['dead_sublayers']
+
+
 def collect(root=ROOT, seeds=N_SEEDS, prior=None):
-    """{'runs': one row per planned run (sweep.read_result's, with 'seed', and 'wall_s' and
-    'machine' where study/sweep.py timed it), 'probes': {scheme: {seed: summary}} of the
+    """{'runs': one row per planned run (sweep.read_result's, with 'seed', and 'wall_s',
+    'machine' and 'commits' where study/sweep.py timed it), 'probes': {scheme: {seed: summary}} of the
     L = DEEPEST models, 'low_use': {L: {seed: low-use sublayers}} of Block AttnRes's shallower
     models, the budget and the deepest L} from the out/ directories. A run or probe that out/ lacks is taken from
     `prior` (a results dict; default the committed RESULTS), so a fresh checkout that trains
@@ -200,23 +206,21 @@ def collect(root=ROOT, seeds=N_SEEDS, prior=None):
     old = {(r['scheme'], r['L'], r.get('seed', 0)): r for r in prior['runs'] if r.get('status') == 'finished'}
     plan = {(s, L, k) for k, s, L in planned()}
     seeds = max(seeds, N_SEEDS)
-    length = {(run.scheme, run.L): run.config.get('max_iters') for run in families.runs('mini')}
     other = set()  # (scheme, L, seed) of runs in out/ that are not the planned run
     rows = []
     for r in read_all('mini', root, seeds):
         key = (r['scheme'], r['L'], r['seed'])
         if key not in plan:
             continue
-        if r['status'] == 'finished' and r['max_iters'] != length[key[:2]]:
-            print(f"warning: {r['out_dir']} finished at max_iters={r['max_iters']}, not the planned "
-                  f"{length[key[:2]]}: left out" + (f" ({RESULTS}'s row kept)" if key in old else ''), file=sys.stderr)
+        if r['status'] == 'other_length':
+            print(f"warning: {r['out_dir']} {r['other_length']}: left out"
+                  + (f" ({RESULTS}'s row kept)" if key in old else ''), file=sys.stderr)
             other.add(key)
-            r = dict(r, status='unfinished')
         if r['status'] != 'finished' and key in old:
             r = old[key]
         else:
             t = _read(os.path.join(root, r['out_dir'], 'wall_time.json')) or {}
-            r = dict(r, wall_s=t.get('wall_s'), machine=t.get('machine'))
+            r = dict(r, wall_s=t.get('wall_s'), machine=t.get('machine'), commits=t.get('commits'))
         rows.append(r)
     probes = {s: dict(v) for s, v in prior['probes'].items()}
     for k, run in deepest_runs(root, seeds):
@@ -228,7 +232,7 @@ def collect(root=ROOT, seeds=N_SEEDS, prior=None):
     for k, run in finished_runs(root, seeds, ['blockattnres']):
         p = _read(probe_json(run, root))
         if p and 'block_weights' in p and run.L != DEEPEST and ('blockattnres', run.L, k) in plan - other:
-            low_use.setdefault(str(run.L), {})[str(k)] = p['block_weights']['dead_sublayers']
+            low_use.setdefault(str(run.L), {})[str(k)] = _low_use(p['block_weights'])
     low_use = {L: dict(sorted(low_use[L].items(), key=lambda kv: int(kv[0]))) for L in sorted(low_use, key=int)}
     return {'family': 'mini', 'tokens_per_backbone_param': families.MINI_TOKENS_PER_PARAM,
             'deepest': DEEPEST, 'runs': rows, 'probes': probes, 'low_use': low_use}
@@ -576,7 +580,7 @@ def format_verdicts(rows):
 
 
 def format_timing(results):
-    """The recorded wall time and machine of the runs that have them."""
+    """The recorded wall time, machine and code version of the runs that have them."""
     timed = [r for r in _finished(results) if r.get('wall_s')]
     untimed = len(_finished(results)) - len(timed)
     if not timed:
@@ -593,6 +597,11 @@ def format_timing(results):
         lines.append(f"- machine: {cpu}, {cpus} logical CPUs, OMP_NUM_THREADS={threads} per run, {plat}")
     lines.append(f"- total {sum(r['wall_s'] for r in timed) / 3600:.1f} process-hours over {len(timed)} runs; "
                  f"{untimed} finished runs carry no recorded wall time")
+    versioned = [r for r in _finished(results) if r.get('commits')]
+    if versioned:  # the code that trained them (sweep.code_version at each launch)
+        commits = sorted({c for r in versioned for c in r['commits']})
+        lines.append(f"- code: {len(commits)} commit{'s' if len(commits) > 1 else ''} ({', '.join(commits)}) over the "
+                     f"{len(versioned)} runs that record one; {len(_finished(results)) - len(versioned)} record none")
     return "\n".join(lines)
 
 
@@ -755,17 +764,18 @@ def plot_probes(results, rows, path):
     plt.close(fig)
 
 
-def report(results, out_dir):
-    """Prints the loss, findings and probe tables and writes the figures into out_dir."""
+def report(results, out_dir, wrote=()):
+    """Prints the loss, findings and probe tables, writes the figures into out_dir, then one
+    'wrote' line for each file of `wrote` (written before) and each figure."""
     os.makedirs(out_dir, exist_ok=True)
     rows = findings(results)
     for text in (format_loss(results), format_findings(rows), format_verdicts(rows), format_probes(results)):
         print(text + "\n")
-    written = [os.path.join(out_dir, 'loss_vs_ratio.png'), os.path.join(out_dir, 'probes.png')]
-    plot_loss(results, rows, written[0])
+    figures = [os.path.join(out_dir, 'loss_vs_ratio.png'), os.path.join(out_dir, 'probes.png')]
+    plot_loss(results, rows, figures[0])
     if results['probes']:
-        plot_probes(results, rows, written[1])
-    for p in written:
+        plot_probes(results, rows, figures[1])
+    for p in [*wrote, *figures]:
         if os.path.exists(p):
             print(f"wrote {p}")
 
@@ -793,7 +803,7 @@ def main(argv=None):
     p.add_argument('--out', default=None, help=f"where results.json and the figures go ({os.path.dirname(RESULTS)}; "
                                                "with --results, the figures only, to out/mini)")
     a = p.parse_args(argv)
-    failures = []
+    failures, wrote = [], []
     if a.results:
         results = _read(a.results)
         if not is_results(results):
@@ -825,7 +835,8 @@ def main(argv=None):
         results = collect(ROOT, a.seeds)
         a.out = a.out or os.path.dirname(RESULTS)
         os.makedirs(os.path.join(ROOT, a.out), exist_ok=True)
-        checkpoint.write_json(os.path.join(ROOT, a.out, 'results.json'), results)  # a temp name of its own
+        wrote.append(os.path.join(ROOT, a.out, 'results.json'))
+        checkpoint.write_json(wrote[-1], results)  # a temp name of its own
         if a.out == os.path.dirname(RESULTS):  # the committed results: docs/mini.md's blocks follow them
             doc = os.path.join(ROOT, 'docs', 'mini.md')
             try:
@@ -835,8 +846,8 @@ def main(argv=None):
                 print(f"error: {e}", file=sys.stderr)
                 return 2
             checkpoint.atomic_write(doc, lambda tmp: checkpoint.write_bytes(tmp, text.encode()))
-            print(f"wrote {doc}")
-    report(results, os.path.join(ROOT, a.out))
+            wrote.append(doc)
+    report(results, os.path.join(ROOT, a.out), wrote)
     return 1 if failures else 0
 
 

@@ -260,10 +260,10 @@ def test_block_attnres_read_weights_are_probed_and_collected_at_every_depth(tmp_
     assert [c for c in seen if 'blockattnres_L4_seed1' in c[1]] == [
         ['probe.py', f"--ckpt={os.path.join('out', 'mini', 'blockattnres_L4_seed1', 'ckpt.pt')}",
          '--metrics=block_weights', *mini.PROBE_ARGS]]
-    for L, n in ((4, 1), (8, 3)):
+    for L, n, key in ((4, 1, 'low_use_sublayers'), (8, 3, 'dead_sublayers')):  # the L = 8 file from before the rename
         d = tmp_path / results.seeded(runs[L], 1).out_dir / 'probe'
         d.mkdir()
-        (d / 'probe.json').write_text(json.dumps({'block_weights': {'dead_sublayers': n}}))
+        (d / 'probe.json').write_text(json.dumps({'block_weights': {key: n}}))
     res = mini.collect(str(tmp_path), prior={'runs': [], 'probes': {}, 'deepest': 8, 'tokens_per_backbone_param': 2.5,
                                               'low_use': {'4': {'0': 2}}})
     assert res['low_use'] == {'4': {'0': 2, '1': 1}}                      # the prior's seed 0 kept
@@ -333,3 +333,19 @@ def test_a_planned_run_trains_through_the_sweep_command(monkeypatch):
     assert mini.train_run(3, 'hc', 8, root='r') == [('hc_L8_seed3', 'study/sweep.py failed')]
     assert seen[0][1:] == [os.path.join('study', 'sweep.py'), 'family=mini', 'schemes=hc', 'shapes=8',
                            'seed=3', 'seeds=4', 'probe=False']
+
+
+def test_the_files_written_are_named_after_the_tables(tmp_path, monkeypatch, capsys):
+    # a regeneration from the committed rows: the tables first, then one line per file written
+    (tmp_path / 'docs' / 'mini').mkdir(parents=True)
+    shutil.copy(COMMITTED, tmp_path / mini.RESULTS)
+    shutil.copy(ROOT / 'docs' / 'mini.md', tmp_path / 'docs' / 'mini.md')
+    monkeypatch.setattr(mini, 'ROOT', str(tmp_path))
+    assert mini.main(['--probe=False']) == 0
+    out = capsys.readouterr().out.rstrip().splitlines()
+    assert [os.path.relpath(x[len('wrote '):], tmp_path) for x in out[-4:]] == [
+        mini.RESULTS, os.path.join('docs', 'mini.md'), os.path.join('docs', 'mini', 'loss_vs_ratio.png'),
+        os.path.join('docs', 'mini', 'probes.png')]
+    assert not any(x.startswith('wrote ') for x in out[:-4]) and '| seeds |' not in out[-5]
+    assert json.loads((tmp_path / mini.RESULTS).read_text()) == json.loads(COMMITTED.read_text())
+    assert (tmp_path / 'docs' / 'mini.md').read_text() == (ROOT / 'docs' / 'mini.md').read_text()

@@ -68,7 +68,7 @@ def test_two_sweep_collections_at_once(tmp_path):
 def test_two_mini_collections_at_once(tmp_path):
     # study/mini.py writes its results.json at the end of every share of the plan: processes that
     # share the plan finish at about the same time (the report's figures left out here)
-    race(tmp_path, "from study import mini\nimport contextlib, io\nmini.report = lambda results, out_dir: None",
+    race(tmp_path, "from study import mini\nimport contextlib, io\nmini.report = lambda results, out_dir, wrote=(): None",
          "with contextlib.redirect_stdout(io.StringIO()): assert mini.main(['--probe=False', "
          "'--out=' + os.path.dirname(path)]) == 0")
     path = tmp_path / 'out' / 'results.json'
