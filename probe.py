@@ -241,7 +241,7 @@ def causal_scores(model, windows, batch_size=BATCH_SIZE, reuse=True, progress=Fa
     model.eval()
     L = model.config.n_layer
     num, n_tok = torch.zeros(L, L, dtype=torch.float64), 0
-    pbar = tqdm(total=math.ceil(len(windows) / batch_size) * max(L - 1, 0), desc='causal', disable=not progress)
+    pbar = tqdm(total=math.ceil(len(windows) / batch_size) * max(L - 1, 0), desc='causal', disable=None if progress else True)
     for idx in batches(windows, batch_size, device_of(model)):
         states = clean_states(model, idx)
         z = [flat(model.residual.probe(s)) for s in states]  # L+1 of (B, T, D)
@@ -286,7 +286,7 @@ def permutation_scores(model, windows, batch_size=BATCH_SIZE, pairs=None, reuse=
             raise ValueError(f"swap pair ({i}, {j}) must satisfy 0 <= i < j < n_layer={L}")
     base, swapped, n_pred = 0.0, {p: 0.0 for p in pairs}, 0
     runner = PrefixRunner(model)
-    pbar = tqdm(total=math.ceil(len(windows) / batch_size) * len(pairs), desc='permutation', disable=not progress)
+    pbar = tqdm(total=math.ceil(len(windows) / batch_size) * len(pairs), desc='permutation', disable=None if progress else True)
     for idx in batches(windows, batch_size, device_of(model)):
         base += ce_sum(runner.logits(idx), idx)
         for i, j in pairs:
@@ -472,14 +472,14 @@ def path_weights(model, windows, batch_size=BATCH_SIZE, progress=False):
 
 
 @torch.no_grad()
-def block_weights(model, windows, batch_size=BATCH_SIZE, dead_threshold=0.1, progress=False):
+def block_weights(model, windows, batch_size=BATCH_SIZE, low_use_threshold=0.1, progress=False):
     """Block AttnRes weight on the current running partial sum vs the other sources, per
     sublayer (Fig. 9), token-averaged. Needs the trace's 'current' (index of the
     partial sum among the read's sources, -1 at a block boundary where it is empty).
     Returns {'current', 'embedding', 'frozen': lists over readers l = 0..2L (NaN where there is
     no record / no partial sum), 'boundaries': readers with no partial sum, 'weights': per reader
-    the mean weight of every source, 'dead_sublayers': leading readers (with a partial sum)
-    putting < dead_threshold on it (our reading of the site's "dead segment")}.
+    the mean weight of every source, 'low_use_sublayers': leading readers (with a partial sum)
+    putting < low_use_threshold on it: the low-use segment, our reading of the site's "dead segment"}.
     Raises ValueError for a scheme without 'current'."""
     model.eval()
     if 'current' not in trace_keys(model):
@@ -506,15 +506,15 @@ def block_weights(model, windows, batch_size=BATCH_SIZE, dead_threshold=0.1, pro
         frozen.append(float(1.0 - a[0] - (0.0 if np.isnan(c) else c)))
         weights.append(a.tolist())
     boundaries = [ell for ell in sums if cur[ell] < 0]
-    dead = 0
+    low_use = 0
     for ell in range(1, K + 1):
         if np.isnan(current[ell]):
             continue
-        if current[ell] >= dead_threshold:
+        if current[ell] >= low_use_threshold:
             break
-        dead += 1
+        low_use += 1
     return {'current': current, 'embedding': embedding, 'frozen': frozen, 'weights': weights,
-            'boundaries': sorted(boundaries), 'dead_sublayers': dead, 'dead_threshold': dead_threshold}
+            'boundaries': sorted(boundaries), 'low_use_sublayers': low_use, 'low_use_threshold': low_use_threshold}
 
 # -----------------------------------------------------------------------------
 # LogitLens and HC/mHC propagation (paper Figs. 8 right, 10)
@@ -621,7 +621,7 @@ def prune_scan(model, enc, items, batch_size=8, chunk_items=64, progress=False):
     right = {v: [] for v in variants}  # per question: acc_norm correct (0/1), for the paired s.e.
     runner = PrefixRunner(model)
     chunks = range(0, len(items), chunk_items)
-    pbar = tqdm(total=len(chunks) * len(variants), desc='prune (ARC-Easy)', disable=not progress)
+    pbar = tqdm(total=len(chunks) * len(variants), desc='prune (ARC-Easy)', disable=None if progress else True)
     for c in chunks:
         its = items[c:c + chunk_items]
         prs = pairs[offsets[c]:offsets[c + len(its)]]
@@ -875,8 +875,8 @@ def _report(metric, r):
         print(f"path_weights: {r['kind']}, readout weight on the embedding {r['W'][-1, 0]:.3f}, "
               f"mean over sublayer outputs {np.mean(r['W'][-1, 1:]):.3f}")
     elif metric == 'block_weights':
-        print(f"block_weights: dead segment {r['dead_sublayers']} sublayers "
-              f"(< {r['dead_threshold']} on the running sum)")
+        print(f"block_weights: low-use segment {r['low_use_sublayers']} sublayers "
+              f"(< {r['low_use_threshold']} on the running sum)")
     elif metric == 'logit_lens':
         print(f"logit_lens: KL per layer {np.round(r['kl'], 3).tolist()} nats")
     elif metric == 'propagation':

@@ -547,7 +547,7 @@ def run(schemes, cfg_kw, batch, seq_len, fast_paths='cuda', log=print):
     from tqdm import tqdm
     names = ['preln'] + [s for s in dict.fromkeys(schemes) if s != 'preln']
     counts = {}
-    bar = tqdm(names, desc='step', unit='scheme', file=sys.stderr)
+    bar = tqdm(names, desc='step', unit='scheme', file=sys.stderr, disable=None)
     for s in bar:
         bar.set_postfix_str(s)
         t0 = time.perf_counter()

@@ -148,7 +148,7 @@ def continuation_logprobs(logits_fn, enc, pairs, *, batch_size=8, max_len=2048, 
     starts = range(0, len(order), batch_size)
     if progress:
         from tqdm import tqdm
-        starts = tqdm(starts, desc=desc, unit='batch')  # desc: what is scored (a task name)
+        starts = tqdm(starts, desc=desc, unit='batch', disable=None)  # desc: what is scored; no bar in a log file
     for s in starts:
         batch = order[s:s + batch_size]
         T = len(inputs[batch[0]])  # longest in the batch, as sorted

@@ -207,7 +207,7 @@ def plot_block_weights(results):
         for b in bw['boundaries']:
             ax.axvline(b, color='grey', ls=':', lw=0.8)
         ax.set(xlabel='reader sublayer (last = readout)', ylabel='mean depth-softmax weight', ylim=(0, 1),
-               title=f"{r['label']}: dead segment {bw['dead_sublayers']} sublayers")
+               title=f"{r['label']}: low-use segment {bw['low_use_sublayers']} sublayers")
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

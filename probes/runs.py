@@ -14,7 +14,7 @@ from tqdm import tqdm
 def batches(windows, batch_size, device, desc=None, progress=False):
     """Yields micro-batches (b, T) of the windows on `device`."""
     starts = range(0, len(windows), batch_size)
-    for s in tqdm(starts, desc=desc, unit='batch', disable=not progress, leave=False):
+    for s in tqdm(starts, desc=desc, unit='batch', disable=None if progress else True, leave=False):
         yield windows[s:s + batch_size].to(device)
 
 

@@ -10,6 +10,7 @@ Fixture files in every source schema are written by the tests; the real data in
 import gzip
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import random
@@ -278,10 +279,18 @@ def test_domain_nll_token_weighted_and_categories():
     assert short['tasks']['mbpp']['n_truncated'] == 1 and short['tasks']['sciq']['n_truncated'] == 1
 
 
-def test_domain_nll_progress_bars_name_the_task(capsys):
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal: progress bars are drawn only there."""
+
+    def isatty(self):
+        return True
+
+
+def test_domain_nll_progress_bars_name_the_task(monkeypatch):
     data = {'mbpp': [{'prompt': 'task\n', 'answer': 'xx\n'}], 'sciq': [{'prompt': 'Q:', 'answer': ' xy'}]}
+    monkeypatch.setattr(sys, 'stderr', Terminal())
     evals.domain_nll(unigram_logits_fn(byte_probs()), ByteEnc(), data, progress=True)
-    err = capsys.readouterr().err
+    err = sys.stderr.getvalue()
     assert 'domain NLL 1/2: mbpp' in err and 'domain NLL 2/2: sciq' in err
 
 

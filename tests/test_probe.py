@@ -6,6 +6,8 @@ ratios over scores that are not finite.
 Run: python -m pytest tests/test_probe.py -q
 """
 
+import contextlib
+import io
 import json
 import math
 import sys
@@ -807,7 +809,7 @@ def test_bench_probe_runs_and_reports_identical_scores(capsys):
 def test_figures_for_block_weights_and_domain_nll_from_results(tmp_path):
     from probes import plots as probe_plots
     bw = {'current': [np.nan, 0.05, np.nan, 0.4, 0.6], 'embedding': [1.0, 0.9, 0.5, 0.3, 0.2],
-          'frozen': [0.0, 0.05, 0.5, 0.3, 0.2], 'boundaries': [0, 2], 'dead_sublayers': 1, 'dead_threshold': 0.1}
+          'frozen': [0.0, 0.05, 0.5, 0.3, 0.2], 'boundaries': [0, 2], 'low_use_sublayers': 1, 'low_use_threshold': 0.1}
     nll = {'categories': {'coding': {'nll': 1.2}, 'stem': {'nll': None}, 'math': {'nll': 0.9}}}
     results = [{'label': 'a', 'block_weights': bw, 'domain_nll': nll}, {'label': 'b', 'domain_nll': nll}]
     paths = probe_plots.plot_all(results, tmp_path)
@@ -1074,3 +1076,24 @@ def test_late_pair_summary_says_how_many_pairs_a_ratio_is_over(capsys):
     probe._report('late_pairs', probe.late_pair_ratio(C))
     out = capsys.readouterr().out
     assert 'R_causal 100.0% (14 of 15 finite)' in out and 'R_perm n/a' in out
+
+
+def test_progress_bars_stay_out_of_a_log_file(capsys):
+    # probe.py always asks for progress; with stderr redirected to a file (here: captured, not a
+    # terminal) a bar's carriage returns would run into the log's lines, so none is drawn
+    from probes import evals
+    model, w = tiny(n_layer=3), windows(4)
+    probe.angular_distance(model, w, batch_size=2, progress=True)        # probes/runs.py's batches
+    probe.causal_scores(model, w, batch_size=2, progress=True)
+    probe.permutation_scores(model, w, batch_size=2, progress=True)
+    evals.continuation_logprobs(lambda idx: torch.zeros(*idx.shape, V), None, [([1, 2], [3])] * 3, batch_size=1,
+                                pad_id=0, progress=True)
+    err = capsys.readouterr().err
+    assert '\r' not in err and '%|' not in err
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    with contextlib.redirect_stderr(Terminal()) as tty:                 # on a terminal they are drawn
+        probe.causal_scores(model, w, batch_size=2, progress=True)
+    assert 'causal' in tty.getvalue() and '\r' in tty.getvalue()

@@ -310,7 +310,7 @@ def _tokenize_and_write(texts, tok, args, num_docs, train, val):
         val.write(buffers['val'])
 
     chunk, chunk_chars = [], 0
-    for text in tqdm(texts, total=num_docs, unit='docs', desc=f'tokenizing ({tok.name})', delay=1.0):
+    for text in tqdm(texts, total=num_docs, unit='docs', desc=f'tokenizing ({tok.name})', delay=1.0, disable=None):
         if num_docs is not None and n_docs >= num_docs:
             break
         n_docs += 1
