@@ -38,7 +38,6 @@ probes/bench.py times it against naive re-runs.
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -921,6 +920,10 @@ def load_results(path):
     with open(path) as f:
         r = json.load(f)
     nan = lambda M: np.array([[np.nan if v is None else v for v in row] for row in M], dtype=float)
+    bw = r.get('block_weights') or {}
+    for old, new in (('dead_sublayers', 'low_use_sublayers'), ('dead_threshold', 'low_use_threshold')):
+        if old in bw:  # a probe.json written before the low-use segment had one name
+            bw[new] = bw.pop(old)
     for metric, key in (('angular', 'matrix'), ('angular', 'subsequent'), ('causal', 'C'), ('permutation', 'P'),
                         ('permutation', 'loss_swap'), ('path_weights', 'W')):
         if metric in r and key in r[metric]:

@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
 import checkpoint  # noqa: E402
 from study import families  # noqa: E402
-from study.results import _scheme_color, read_all, run_command, run_status, seed_runs  # noqa: E402
+from study.results import _scheme_color, read_all, read_result, run_command, seed_runs  # noqa: E402
 
 ROOT = families.ROOT
 RESULTS = os.path.join('docs', 'mini', 'results.json')  # committed with the figures beside it
@@ -91,11 +91,12 @@ def train(seeds=None, schemes=None, shapes=None, probe=True, root=ROOT):
 
 
 def finished_runs(root=ROOT, seeds=3, schemes=None, shapes=None):
-    """(seed k, run) for every mini run of these schemes and depths (None = all) that finished."""
+    """(seed k, run) for every mini run of these schemes and depths (None = all) that finished
+    at its planned length (a run of another length is neither probed nor collected)."""
     out = []
     for run in families.runs('mini', schemes, shapes):
         for r in seed_runs(run, root, seeds):
-            if run_status(r, root) == 'finished':
+            if read_result(r, root)['status'] == 'finished':
                 out.append((r.info.get('seed', 0), r))
     return out
 

@@ -121,13 +121,23 @@ def read_result(run, root=None):
 def length_mismatch(config, row):
     """How a finished row's training length differs from its config's, or None: the config's
     max_iters when it fixes one; otherwise tokens_per_param x n_params tokens, to within 1%
-    (a --batch_size or --gradient_accumulation_steps override moves where the last step ends)."""
-    if config.get('max_iters') is not None:
-        if row.get('max_iters') is not None and row['max_iters'] != config['max_iters']:
-            return f"finished at max_iters={row['max_iters']}, not the planned {config['max_iters']}"
-        return None
+    (a --batch_size or --gradient_accumulation_steps override moves where the last step ends).
+    train.py's summary.json records max_iters, tokens and n_params; one that lacks what the
+    check needs is not taken as the planned run."""
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    planned = config.get('max_iters')
+    if planned is not None:
+        got = row.get('max_iters')
+        if not count(got):
+            return f"records max_iters={got!r}, not the planned {planned}"
+        return None if got == planned else f"finished at max_iters={got}, not the planned {planned}"
     tpp, n, tokens = config.get('tokens_per_param'), row.get('n_params'), row.get('tokens')
-    if None in (tpp, n, tokens) or abs(tokens / (tpp * n) - 1) <= 0.01:
+    if tpp is None:
+        return None
+    if not (count(n) and n > 0 and count(tokens)):
+        return f"records n_params={n!r} and tokens={tokens!r}: its token budget cannot be checked"
+    if abs(tokens / (tpp * n) - 1) <= 0.01:
         return None
     return f"trained {tokens / n:.3g} tokens per parameter, not the planned {tpp:g}"
 
@@ -268,6 +278,8 @@ def plot_loss_vs_ratio(panels, path):
                     pts.append((x, s['mean'], s['se'], True))
                     if s['n_seeds'] > 1:
                         ax.plot([x] * s['n_seeds'], s['values'], '.', color=color, ms=3, alpha=0.5)
+            if not pts:  # every run of this scheme left out: no legend entry without a point
+                continue
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], '-', color=color, label=scheme)
             for x, y, se, done in pts:

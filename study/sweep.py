@@ -52,6 +52,7 @@ line saying so) and left out of the summary, so delete those out_dirs (or use a 
 of the repo) before the real sweep.
 """
 
+import hashlib
 import json
 import os
 import platform
@@ -169,16 +170,23 @@ def machine():
 
 
 def code_version(root):
-    """The commit checked out at root (12 hex digits), with '-dirty' when tracked files differ
-    from it; None where root is not a git checkout or git is missing."""
+    """The commit checked out at root (12 hex digits); where tracked files outside docs/ and
+    *.md differ from it, '-dirty.' and 8 hex digits of that diff's SHA-256, so two different
+    edits are two versions. None where root is not the top of a git checkout or git is missing."""
+    def git(*args):
+        return subprocess.run(['git', *args], cwd=root, capture_output=True, timeout=60)
     try:
-        head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=root, capture_output=True, text=True, timeout=30)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(['git', 'diff', '--quiet', 'HEAD', '--'], cwd=root, capture_output=True, timeout=60)
+        top = git('rev-parse', '--show-toplevel')
+        if top.returncode != 0 or not os.path.samefile(top.stdout.decode().strip(), root):
+            return None  # e.g. a copy of the tree inside another repository
+        head = git('rev-parse', 'HEAD')
+        diff = git('diff', 'HEAD', '--', '.', ':(exclude)docs', ':(exclude)*.md')  # results and docs are not code
     except (OSError, subprocess.SubprocessError):
         return None
-    return head.stdout.strip()[:12] + ('-dirty' if dirty.returncode != 0 else '')
+    if head.returncode != 0 or diff.returncode != 0:
+        return None
+    commit = head.stdout.decode().strip()[:12]
+    return commit + (f"-dirty.{hashlib.sha256(diff.stdout).hexdigest()[:8]}" if diff.stdout else '')
 
 
 def record_wall_time(run, root, seconds, commit=None):
@@ -268,7 +276,7 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
 # results
 
 
-def collect(family, root=None, seeds=1):
+def collect(family, root=None, seeds=1, warn=True):
     """
     Read every run of a family (read_result), with seeds 0..seeds-1 and any other seed on
     disk (seed_runs),
@@ -281,7 +289,7 @@ def collect(family, root=None, seeds=1):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     text = json.dumps(dict(family=family, runs=rows, summary=summarize(rows)), indent=1)
     checkpoint.atomic_write(path, lambda tmp: checkpoint.write_bytes(tmp, text.encode()))  # a temp name per process
-    for r in rows:
+    for r in rows if warn else ():  # the mini study's own collect has said it already
         if r['status'] == 'other_length':
             print(f"warning: {r['out_dir']} {r['other_length']}: left out of the summary", file=sys.stderr)
     n = {s: sum(r['status'] == s for r in rows) for s in ('finished', 'other_length', 'unfinished', 'missing')}
@@ -298,7 +306,7 @@ def probe_deepest(family, schemes=None, shapes=None, root=None):
     the family (one per scheme), side by side: `probe.py --compare ... --out_dir
     out/<family>/probe_L<L>`, with the family's budgets (PROBE_ARGS). Returns failures."""
     root = root or ROOT
-    runs = [r for r in families.runs(family, schemes, shapes) if run_status(r, root) == 'finished']
+    runs = [r for r in families.runs(family, schemes, shapes) if read_result(r, root)['status'] == 'finished']
     if not runs:
         print(f"probe: no finished run of {family} to probe")
         return []
@@ -433,7 +441,7 @@ def main(argv):
             mini.report(mini._read(os.path.join(ROOT, mini.RESULTS)), os.path.join(ROOT, 'out', 'mini'))
         else:
             results = mini.collect(ROOT, n_seeds)
-            collect('mini', ROOT, n_seeds)
+            collect('mini', ROOT, n_seeds, warn=False)
             os.makedirs(os.path.join(ROOT, 'out', 'mini'), exist_ok=True)
             checkpoint.write_json(os.path.join(ROOT, 'out', 'mini', 'study.json'), results)
             mini.report(results, os.path.join(ROOT, 'out', 'mini'))

@@ -349,3 +349,20 @@ def test_the_files_written_are_named_after_the_tables(tmp_path, monkeypatch, cap
     assert not any(x.startswith('wrote ') for x in out[:-4]) and '| seeds |' not in out[-5]
     assert json.loads((tmp_path / mini.RESULTS).read_text()) == json.loads(COMMITTED.read_text())
     assert (tmp_path / 'docs' / 'mini.md').read_text() == (ROOT / 'docs' / 'mini.md').read_text()
+
+
+def test_a_run_of_another_length_is_not_probed_and_warned_about_once(tmp_path, monkeypatch, capsys):
+    # `sweep.py family=mini ... extra=--max_iters=5` finishes Block AttnRes L = 4 into the study's
+    # out_dir: no probe is spent on it, and the sweep's mini report says so in one line
+    run = next(iter(families.runs('mini', ['blockattnres'], [4])))
+    _finish(tmp_path, run, 3.9, max_iters=5)
+    _finish(tmp_path, results.seeded(run, 1), 1.7)
+    assert [(k, r.name) for k, r, _ in mini.probe_targets(str(tmp_path), seeds=2)] == [(1, 'blockattnres_L4_seed1')]
+    (tmp_path / 'docs' / 'mini').mkdir(parents=True)
+    shutil.copy(COMMITTED, tmp_path / mini.RESULTS)
+    families.write_configs(root=tmp_path)
+    monkeypatch.setattr(sweep, 'ROOT', str(tmp_path))
+    monkeypatch.setattr(mini, 'report', lambda results, out_dir, wrote=(): None)
+    assert sweep.main(['family=mini', 'plot_only=True']) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if 'blockattnres_L4 ' in x]
+    assert len(err) == 1 and 'finished at max_iters=5, not the planned' in err[0]

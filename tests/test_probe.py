@@ -815,6 +815,15 @@ def test_figures_for_block_weights_and_domain_nll_from_results(tmp_path):
     paths = probe_plots.plot_all(results, tmp_path)
     assert sorted(p.name for p in paths) == ['block_weights.png', 'domain_nll.png']
     assert all(p.stat().st_size > 1000 for p in paths)
+    # a probe.json from before the low-use segment had one name is read, kept and drawn
+    old = dict(bw, dead_sublayers=1, dead_threshold=0.1)
+    del old['low_use_sublayers'], old['low_use_threshold']
+    (tmp_path / 'old').mkdir()
+    (tmp_path / 'old' / 'probe.json').write_text(json.dumps({'label': 'old', 'block_weights': old}, default=str)
+                                                 .replace('NaN', 'null'))
+    back = probe.load_results(tmp_path / 'old' / 'probe.json')
+    assert (back['block_weights']['low_use_sublayers'], back['block_weights']['low_use_threshold']) == (1, 0.1)
+    assert [p.name for p in probe_plots.plot_all([back], tmp_path / 'old')] == ['block_weights.png']
 
 
 # -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ collect + plot from fake summary.json / metrics.jsonl files.
 
 import json
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -21,19 +22,26 @@ sys.path.insert(0, str(REPO))
 from study import families, mini, results, sweep  # noqa: E402
 
 
-def _planned_iters(out_dir):
-    """The max_iters a family's config sets for the run at out_dir (any seed), else 100."""
+def _run_at(out_dir):
+    """The family run whose out_dir this is (any seed), or None."""
     base = out_dir.split('_seed')[0]
-    return next((r.config['max_iters'] for r in families.all_runs() if r.out_dir == base and 'max_iters' in r.config), 100)
+    return next((r for r in families.all_runs() if r.out_dir == base), None)
 
 
 def _write_summary(root, out_dir, val_loss, n_params=None, finished=True, max_iters=None):
-    """A finished run's summary.json, at its config's length unless max_iters is given."""
-    max_iters = max_iters or _planned_iters(out_dir)
+    """A finished run's summary.json as train.py writes it, at its config's planned length
+    (max_iters, or tokens_per_param x n_params tokens) unless max_iters is given."""
+    run = _run_at(out_dir)
+    config = run.config if run else {}
+    tokens = 409600
+    if 'max_iters' not in config and 'tokens_per_param' in config:
+        n_params = n_params or run.total
+        tokens = round(config['tokens_per_param'] * n_params)
+    max_iters = max_iters or config.get('max_iters', 100)
     d = root / out_dir
     d.mkdir(parents=True, exist_ok=True)
     (d / 'summary.json').write_text(json.dumps(dict(finished=finished, iter=max_iters, max_iters=max_iters, val_loss=val_loss,
-                                                    train_loss=val_loss - 0.05, n_params=n_params, tokens=409600)))
+                                                    train_loss=val_loss - 0.05, n_params=n_params, tokens=tokens)))
 
 
 def _write_partial(root, out_dir, val_losses, torn=True):
@@ -332,6 +340,15 @@ def test_a_run_of_another_length_is_left_out_of_every_summary(repo, monkeypatch,
         _write_summary(repo, out, 3.0 + k, n_params=n)
         s = json.loads((repo / out / 'summary.json').read_text())
         (repo / out / 'summary.json').write_text(json.dumps(dict(s, tokens=int(tokens))))
+    # summaries that lack what the check needs, or hold it as text, are not the planned run either
+    for k, change in ((2, dict(max_iters=None)), (3, dict(max_iters='461'))):
+        _write_summary(repo, f'out/mini/preln_L2_seed{k}', 1.7)
+        path = repo / f'out/mini/preln_L2_seed{k}' / 'summary.json'
+        path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    rows = sweep.collect('mini', root=str(repo), seeds=4)
+    assert {r['seed']: r['status'] for r in rows if r['name'].startswith('preln_L2')} == {
+        0: 'other_length', 1: 'finished', 2: 'other_length', 3: 'other_length'}
+    assert "records max_iters='461', not the planned 461" in capsys.readouterr().err
     rows = sweep.collect('mini', root=str(repo), seeds=2)
     by = {(r['name'], r['seed']): r for r in rows}
     assert by[('preln_L2', 0)]['status'] == 'other_length' and by[('preln_L2_seed1', 1)]['status'] == 'finished'
@@ -339,11 +356,19 @@ def test_a_run_of_another_length_is_left_out_of_every_summary(repo, monkeypatch,
     assert cell['values'] == [1.8]                               # the 5-step loss is in no mean
     out = capsys.readouterr()
     assert 'out/mini/preln_L2 finished at max_iters=5, not the planned 461: left out' in out.err
-    assert '1 at another length' in out.out
+    assert '3 at another length' in out.out                        # seeds 0, 2 and 3 of preln_L2
     rows = sweep.collect('main', root=str(repo), seeds=3)
     status = {r['seed']: r['status'] for r in rows if r['name'].split('_seed')[0] == main.name}
     assert status == {0: 'other_length', 1: 'finished', 2: 'other_length'}
     assert f'trained 10 tokens per parameter, not the planned {tpp:g}' in capsys.readouterr().err
+    out = results.seeded(main, 1).out_dir
+    s = json.loads((repo / out / 'summary.json').read_text())
+    (repo / out / 'summary.json').write_text(json.dumps(dict(s, n_params=None)))
+    assert results.read_result(results.seeded(main, 1), str(repo))['other_length'] == (
+        f"records n_params=None and tokens={s['tokens']}: its token budget cannot be checked")
+    # nor is it probed
+    assert sweep.probe_deepest('mini', ['preln'], [2], root=str(repo)) == []
+    assert 'probe: no finished run of mini to probe' in capsys.readouterr().out
     # the sweep still skips the shortened run, with a line saying how to train the planned one
     monkeypatch.setattr(sweep, 'run_command', Recorder(repo))
     sweep.sweep('mini', schemes=['preln'], shapes=[2])
@@ -358,21 +383,30 @@ def _git(root, *args):
 
 def test_wall_time_records_the_commit_of_each_launch(repo, monkeypatch, tmp_path_factory):
     _git(repo, 'init', '-q')
-    _git(repo, 'add', 'train.py', 'config')
+    (repo / 'README.md').write_text("a guide\n")
+    _git(repo, 'add', 'train.py', 'config', 'README.md')
     _git(repo, 'commit', '-q', '-m', 'a')
-    head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=repo, capture_output=True, text=True).stdout.strip()
-    assert sweep.code_version(str(repo)) == head[:12]
+    head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=repo, capture_output=True, text=True).stdout.strip()[:12]
+    assert sweep.code_version(str(repo)) == head
     run = next(iter(families.runs('mini', ['preln'], [2])))
     monkeypatch.setattr(sweep, 'run_command', Recorder(repo))
     sweep.sweep('mini', schemes=['preln'], shapes=[2])          # launched through the sweep
     wall = json.loads((repo / run.out_dir / 'wall_time.json').read_text())
-    assert wall['commits'] == [head[:12]] and wall['launches'] == 1
-    # resumed after an edit of a tracked file: both versions are on record, once each
+    assert wall['commits'] == [head] and wall['launches'] == 1
+    # an edited guide (or results the mini study rewrote) is not other code
+    (repo / 'README.md').write_text("a better guide\n")
+    assert sweep.code_version(str(repo)) == head
+    # resumed after an edit of the code: both versions are on record, once each; another edit is a third
     (repo / 'train.py').write_text("raise SystemExit('edited')\n")
-    assert sweep.code_version(str(repo)) == head[:12] + '-dirty'
+    edited = sweep.code_version(str(repo))
+    assert re.fullmatch(head + r'-dirty\.[0-9a-f]{8}', edited)
     for _ in range(2):
         sweep.record_wall_time(run, str(repo), 1.0, sweep.code_version(str(repo)))
+    (repo / 'train.py').write_text("raise SystemExit('edited again')\n")
+    sweep.record_wall_time(run, str(repo), 1.0, sweep.code_version(str(repo)))
     wall = json.loads((repo / run.out_dir / 'wall_time.json').read_text())
-    assert wall['commits'] == [head[:12], head[:12] + '-dirty'] and wall['launches'] == 3
-    assert sweep.code_version(str(repo / 'out')) == head[:12] + '-dirty'   # a subfolder is the same checkout
+    assert wall['commits'][:2] == [head, edited] and len(set(wall['commits'])) == 3 and wall['launches'] == 4
+    # not the top of a checkout: a folder inside one (a copy of the tree in another repository), or none
+    (repo / 'copy').mkdir()
+    assert sweep.code_version(str(repo / 'copy')) is None
     assert sweep.code_version(str(tmp_path_factory.mktemp('not_a_checkout'))) is None
