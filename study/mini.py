@@ -211,12 +211,12 @@ def collect(root=ROOT, seeds=N_SEEDS, prior=None):
     rows = []
     for r in read_all('mini', root, seeds):
         key = (r['scheme'], r['L'], r['seed'])
-        if key not in plan:
-            continue
         if r['status'] == 'other_length':
             print(f"warning: {r['out_dir']} {r['other_length']}: left out"
                   + (f" ({RESULTS}'s row kept)" if key in old else ''), file=sys.stderr)
             other.add(key)
+        if key not in plan:
+            continue
         if r['status'] != 'finished' and key in old:
             r = old[key]
         else:

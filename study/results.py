@@ -114,7 +114,8 @@ def read_result(run, root=None):
     else:
         row.update(status='missing', val_loss=None, train_loss=None, iter=None, max_iters=None,
                    tokens=None, n_params=None)
-    row['params_M'] = (row['n_params'] or run.total) / 1e6
+    n = row['n_params']
+    row['params_M'] = (n if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0 else run.total) / 1e6
     return row
 
 
@@ -124,8 +125,8 @@ def length_mismatch(config, row):
     (a --batch_size or --gradient_accumulation_steps override moves where the last step ends).
     train.py's summary.json records max_iters, tokens and n_params; one that lacks what the
     check needs is not taken as the planned run."""
-    def count(v):
-        return isinstance(v, int) and not isinstance(v, bool)
+    def count(v):  # a whole number (JSON may write it as 491.0)
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v == int(v)
     planned = config.get('max_iters')
     if planned is not None:
         got = row.get('max_iters')
@@ -241,7 +242,8 @@ def _schemes_in(rows):
 
 
 def _with_loss(rows):
-    return [r for r in rows if r['val_loss'] is not None]
+    """The rows a plot draws: a loss, and trained at the planned length (finished or not yet)."""
+    return [r for r in rows if r['val_loss'] is not None and r['status'] != 'other_length']
 
 
 def _loss_label(rows):

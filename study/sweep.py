@@ -171,22 +171,39 @@ def machine():
 
 def code_version(root):
     """The commit checked out at root (12 hex digits); where tracked files outside docs/ and
-    *.md differ from it, '-dirty.' and 8 hex digits of that diff's SHA-256, so two different
-    edits are two versions. None where root is not the top of a git checkout or git is missing."""
+    *.md differ from it, '-dirty.' and 8 hex digits of a SHA-256 over those files' paths and
+    contents, so two different edits are two versions (whatever the user's diff settings).
+    None where root is not the top of a git checkout or git is missing; one line where git
+    refuses a checkout it finds (e.g. "dubious ownership")."""
     def git(*args):
         return subprocess.run(['git', *args], cwd=root, capture_output=True, timeout=60)
     try:
         top = git('rev-parse', '--show-toplevel')
+        if top.returncode != 0 and os.path.exists(os.path.join(root, '.git')):
+            why = top.stderr.decode(errors='replace').strip().splitlines()
+            print(f"warning: git cannot read the commit of {root} ({why[0] if why else 'no reason given'}): "
+                  f"wall_time.json records none", file=sys.stderr)
         if top.returncode != 0 or not os.path.samefile(top.stdout.decode().strip(), root):
-            return None  # e.g. a copy of the tree inside another repository
+            return None  # not a checkout, or a copy of the tree inside another repository
         head = git('rev-parse', 'HEAD')
-        diff = git('diff', 'HEAD', '--', '.', ':(exclude)docs', ':(exclude)*.md')  # results and docs are not code
+        changed = git('diff', '--name-only', '-z', '--no-renames', 'HEAD', '--', '.', ':(exclude)docs', ':(exclude)*.md')
     except (OSError, subprocess.SubprocessError):
         return None
-    if head.returncode != 0 or diff.returncode != 0:
+    if head.returncode != 0 or changed.returncode != 0:
         return None
     commit = head.stdout.decode().strip()[:12]
-    return commit + (f"-dirty.{hashlib.sha256(diff.stdout).hexdigest()[:8]}" if diff.stdout else '')
+    names = sorted(n for n in changed.stdout.split(b'\0') if n)  # results and docs are not code
+    if not names:
+        return commit
+    h = hashlib.sha256()
+    for name in names:
+        try:
+            with open(os.path.join(root, os.fsdecode(name)), 'rb') as f:
+                data = f.read()
+        except OSError:
+            data = b'(deleted)'
+        h.update(name + b'\0' + data + b'\0')
+    return f"{commit}-dirty.{h.hexdigest()[:8]}"
 
 
 def record_wall_time(run, root, seconds, commit=None):

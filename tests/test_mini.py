@@ -366,3 +366,8 @@ def test_a_run_of_another_length_is_not_probed_and_warned_about_once(tmp_path, m
     assert sweep.main(['family=mini', 'plot_only=True']) == 0
     err = [x for x in capsys.readouterr().err.splitlines() if 'blockattnres_L4 ' in x]
     assert len(err) == 1 and 'finished at max_iters=5, not the planned' in err[0]
+    # a shortened run that the plan does not hold (mHC has seeds 0-2) is named too
+    _finish(tmp_path, results.seeded(next(iter(families.runs('mini', ['mhc'], [4]))), 5), 3.9, max_iters=5)
+    mini.collect(str(tmp_path), seeds=6)
+    err = capsys.readouterr().err
+    assert 'mhc_L4_seed5 finished at max_iters=5, not the planned' in err

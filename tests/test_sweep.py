@@ -363,10 +363,24 @@ def test_a_run_of_another_length_is_left_out_of_every_summary(repo, monkeypatch,
     assert f'trained 10 tokens per parameter, not the planned {tpp:g}' in capsys.readouterr().err
     out = results.seeded(main, 1).out_dir
     s = json.loads((repo / out / 'summary.json').read_text())
+    (repo / out / 'summary.json').write_text(json.dumps(dict(s, n_params=float(n), tokens=float(s['tokens']))))
+    assert results.read_result(results.seeded(main, 1), str(repo))['status'] == 'finished'   # 406534436.0 is a count
     (repo / out / 'summary.json').write_text(json.dumps(dict(s, n_params=None)))
     assert results.read_result(results.seeded(main, 1), str(repo))['other_length'] == (
         f"records n_params=None and tokens={s['tokens']}: its token budget cannot be checked")
-    # nor is it probed
+    (repo / out / 'summary.json').write_text(json.dumps(dict(s, n_params=str(n))))
+    row = results.read_result(results.seeded(main, 1), str(repo))       # text where a count belongs: no crash
+    assert row['status'] == 'other_length' and row['params_M'] == main.total / 1e6
+    # nor drawn: a family whose only run is of another length has nothing to plot
+    main_rows = sweep.collect('main', root=str(repo), seeds=3)
+    assert sweep.plot('main', [r for r in main_rows if r['seed'] in (0, 2)], root=str(repo)) == []
+    cross = next(r for r in families.runs('cross_scale'))
+    _write_summary(repo, cross.out_dir, 9.9, max_iters=3)
+    s = json.loads((repo / cross.out_dir / 'summary.json').read_text())
+    (repo / cross.out_dir / 'summary.json').write_text(json.dumps(dict(s, tokens=1000)))
+    assert sweep.plot('cross_scale', sweep.collect('cross_scale', root=str(repo)), root=str(repo)) == []
+    capsys.readouterr()
+    # nor probed
     assert sweep.probe_deepest('mini', ['preln'], [2], root=str(repo)) == []
     assert 'probe: no finished run of mini to probe' in capsys.readouterr().out
     # the sweep still skips the shortened run, with a line saying how to train the planned one
@@ -406,7 +420,18 @@ def test_wall_time_records_the_commit_of_each_launch(repo, monkeypatch, tmp_path
     sweep.record_wall_time(run, str(repo), 1.0, sweep.code_version(str(repo)))
     wall = json.loads((repo / run.out_dir / 'wall_time.json').read_text())
     assert wall['commits'][:2] == [head, edited] and len(set(wall['commits'])) == 3 and wall['launches'] == 4
+    # the same edit is the same version whatever the user's diff settings
+    _git(repo, 'config', 'color.diff', 'always')
+    _git(repo, 'config', 'diff.noprefix', 'true')
+    assert sweep.code_version(str(repo)) == wall['commits'][2]
     # not the top of a checkout: a folder inside one (a copy of the tree in another repository), or none
     (repo / 'copy').mkdir()
     assert sweep.code_version(str(repo / 'copy')) is None
     assert sweep.code_version(str(tmp_path_factory.mktemp('not_a_checkout'))) is None
+
+
+def test_a_checkout_git_cannot_read_is_one_line(tmp_path, capsys):
+    (tmp_path / '.git').write_text("gitdir: /nonexistent/worktree\n")   # a worktree whose repository moved
+    assert sweep.code_version(str(tmp_path)) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: git cannot read the commit of {tmp_path} (")
