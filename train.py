@@ -449,6 +449,7 @@ optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, 
 # fp16 gradients underflow without loss scaling; for bf16 and fp32 the scaler is a no-op
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
 iter_num, best_val_loss, best_iter = 0, float('inf'), None  # best_iter: the iteration of ckpt_best.pt's state
+tokens_trained = 0  # summed step by step: a resume may change the batch
 if checkpoint is not None:
     if fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -461,6 +462,7 @@ if checkpoint is not None:
             fail(f"the optimizer state in {ckpt_path} does not fit the model ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:150]}): restore a good copy")
     iter_num, best_val_loss = checkpoint['iter_num'], checkpoint.get('best_val_loss', float('inf'))
+    tokens_trained = checkpoint.get('tokens', iter_num * tokens_per_iter)  # older checkpoints: at today's batch
     best_iter = checkpoint.get('best_iter')
     if checkpoint.get('scaler'):
         scaler.load_state_dict(checkpoint['scaler'])
@@ -561,7 +563,7 @@ def save(path, evaluated=True, best=False):
         rng['cuda'] = torch.cuda.get_rng_state()
     save_checkpoint(path, {
         'model': model_state, 'optimizer': opt_state, 'model_args': asdict(raw_model.config), 'config': config,
-        'iter_num': iter_num, 'best_val_loss': best_val_loss, 'best_iter': best_iter,
+        'iter_num': iter_num, 'tokens': tokens_trained, 'best_val_loss': best_val_loss, 'best_iter': best_iter,
         'loader': train_loader.state_dict(), 'rng': rng, 'scaler': scaler.state_dict(), 'evaluated': evaluated,
         'val_loss': val_loss, 'train_loss': lossf, 'fast_paths': [p.name for p in fast_paths],
         'tokenizer': meta.get('tokenizer')}, best=best)  # sample.py decodes with it (None: data without meta.json)
@@ -678,7 +680,7 @@ while True:
         is_best = val_loss < best_val_loss
         if is_best:
             best_val_loss, best_iter = val_loss, iter_num
-        log_metrics({'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'val_loss': val_loss, 'lr': lr})
+        log_metrics({'iter': iter_num, 'tokens': tokens_trained, 'val_loss': val_loss, 'lr': lr})
         if iter_num > 0:
             save(ckpt_path, best=is_best)
         elif is_best:  # the initial state: kept as ckpt_best.pt only (a run that gets worse keeps it)
@@ -721,6 +723,7 @@ while True:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
+    tokens_trained += tokens_per_iter
     t1 = time.time()
     dt, t0 = t1 - t0, t1
     if iter_num > first_iter + 1 or max_iters - first_iter == 1:  # the first step (warm-up, compile) is no guide
@@ -728,7 +731,7 @@ while True:
     if log_step:
         tokens_per_s = tokens_per_iter / dt
         mfu = estimate_mfu(raw_model, tokens_per_s, block_size, device, world_size)
-        row = {'iter': iter_num, 'tokens': iter_num * tokens_per_iter, 'train_loss': lossf, 'lr': lr,
+        row = {'iter': iter_num, 'tokens': tokens_trained, 'train_loss': lossf, 'lr': lr,
                'grad_norm': gnorm, 'dt_ms': dt * 1000, 'tokens_per_s': tokens_per_s, 'mfu': mfu, **stats}
         eta = (sum(recent_dt) / len(recent_dt) if recent_dt else dt) * (max_iters - iter_num)
         depth = ''
@@ -752,10 +755,10 @@ if iter_num == max_iters and master:
     write_json(os.path.join(out_dir, 'summary.json'), {
         'finished': True, 'iter': iter_num, 'max_iters': max_iters, 'val_loss': val_loss,
         'best_val_loss': best_val_loss, 'best_iter': best_iter, 'train_loss': lossf, 'best_ckpt': best_path,
-        'n_params': n_params, 'tokens': iter_num * tokens_per_iter, 'config': config,
+        'n_params': n_params, 'tokens': tokens_trained, 'config': config,
         'model_args': asdict(raw_model.config)})
     worse = val_loss is not None and val_loss > best_val_loss
-    print0(f"done: val loss {val_loss:.4f} after {iter_num * tokens_per_iter:,} tokens"
+    print0(f"done: val loss {val_loss:.4f} after {tokens_trained:,} tokens"
            + (f" (warning: {val_loss / best_val_loss:.1f}x the best {best_val_loss:.4f}; {best_note})"
               if worse and val_loss > SPIKE_RATIO * best_val_loss else
               f" (the best was {best_val_loss:.4f}; {best_note})" if worse else ''))

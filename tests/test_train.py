@@ -113,6 +113,18 @@ def test_resume_is_bit_identical(data_dir, tmp_path):
     assert va == vb
 
 
+def test_tokens_are_counted_step_by_step_across_a_resume_with_another_batch(data_dir, tmp_path):
+    # 3 steps of 4 x 2 sequences, then a resume at --batch_size=2: 3 steps of 2 x 2 (T = 32)
+    common = [*TINY, f'--data_dir={data_dir}', '--max_iters=6', '--eval_interval=3', f'--out_dir={tmp_path}']
+    train(*common, '--stop_iter=3')
+    r = train(*common, '--init_from=resume', '--batch_size=2')
+    want = 3 * 4 * 2 * 32 + 3 * 2 * 2 * 32
+    assert json.loads((tmp_path / 'summary.json').read_text())['tokens'] == want
+    rows = {m['iter']: m['tokens'] for m in metrics(tmp_path) if 'train_loss' in m}
+    assert (rows[3], rows[4], rows[6]) == (3 * 256, 3 * 256 + 128, want)
+    assert f"after {want:,} tokens" in r.stdout
+
+
 def test_block_attnres_in_blocks_of_one_sublayer_says_it_is_full_attnres(data_dir, tmp_path):
     """2 layers with the default attnres_blocks=8: one start-up line says the run is Full AttnRes."""
     r = train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "out"}', '--residual=blockattnres',
