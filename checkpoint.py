@@ -56,7 +56,9 @@ class CheckpointError(ValueError):
 # one line for a user error; what a failed start undoes
 
 def say(msg):
-    print(msg, flush=True)
+    """One line, as one write (a signal's line never lands between it and its newline)."""
+    sys.stdout.write(f"{msg}\n")
+    sys.stdout.flush()
 
 
 cleanups = []  # run by fail(): undo what a failed start created (the lock, an empty out_dir)

@@ -218,9 +218,12 @@ if fsdp and not ddp:
     fail("fsdp=True shards over processes: launch with torchrun (or drop --fsdp=True)")
 
 
-def print0(*args, **kwargs):
+def print0(*args, sep=' ', end='\n'):
+    """print() on the master process, as one write: a Ctrl-C or SIGTERM line (checkpoint.on_signal)
+    never lands between a line and its newline."""
     if master:
-        print(*args, **kwargs, flush=True)
+        sys.stdout.write(sep.join(map(str, args)) + end)
+        sys.stdout.flush()
 
 
 def out_of_memory(exc):

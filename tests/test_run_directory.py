@@ -633,6 +633,32 @@ def test_ctrl_c_at_any_moment_is_one_line_that_matches_the_files(data_dir, tmp_p
     assert load(out / 'ckpt.pt')['iter_num'] == 4 and not list(out.glob('*.tmp'))
 
 
+# SIGTERM in the middle of a printed line: a stdout whose write() gets the signal right after
+# it takes the text of 'iter 4: val loss ...' (the moment a line's newline would follow)
+SIGTERM_IN_A_LINE = """
+import os, signal, sys
+class _Out:
+    def __init__(self, f):
+        self.f = f
+    def write(self, s):
+        n = self.f.write(s)
+        if s.startswith('iter 4: val loss'):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return n
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+sys.stdout = _Out(sys.stdout)
+"""
+
+
+def test_sigterm_while_a_line_is_printed_is_a_line_of_its_own(data_dir, tmp_path):
+    args = [*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "run"}', '--max_iters=8', '--eval_interval=4']
+    r = train_injected(SIGTERM_IN_A_LINE, *args)
+    assert r.returncode == 128 + signal.SIGTERM and 'Traceback' not in r.stderr, r.stderr[-2000:]
+    assert re.search(r'^iter 4: val loss \d+\.\d+$', r.stdout, re.M), r.stdout[-1000:]
+    assert len(lines(r.stdout, 'terminated (SIGTERM) at iteration 4')) == 1, r.stdout[-1000:]
+
+
 def wait_for(cond, p, seconds=180):
     deadline = time.time() + seconds
     while not cond() and time.time() < deadline and p.poll() is None:
