@@ -256,7 +256,8 @@ def plot_loss_vs_ratio(panels, path):
     """
     Validation loss vs d/L (log axis), one line per scheme, one subplot per (title, rows)
     panel. Several seeds of a run: the mean with ± 1 standard-error bars and each seed as a
-    small dot; unfinished runs (one seed) drawn hollow. Each shape's Pre-LN parameter count
+    small dot; unfinished runs (one seed) drawn hollow; rows as _with_loss keeps them (no run of
+    another length). Each shape's Pre-LN parameter count
     is written under its tick. Writes a PNG to path.
     """
     plt = _plt()
@@ -273,8 +274,8 @@ def plot_loss_vs_ratio(panels, path):
                 s = summ.get((scheme, L))
                 x = mine[0]['ratio'] * shift
                 if s is None:  # no finished seed: the latest eval of an unfinished one, if past step 0
-                    last = max(mine, key=lambda r: (r['status'] == 'unfinished') * (r['iter'] or 0))
-                    if last['status'] == 'unfinished' and last['iter']:
+                    last = max(mine, key=lambda r: r['iter'] or 0)
+                    if last['iter']:
                         pts.append((x, last['val_loss'], None, False))
                 else:
                     pts.append((x, s['mean'], s['se'], True))
