@@ -206,8 +206,11 @@ def plot_block_weights(results):
             ax.plot(x, np.asarray(bw[key], dtype=float), style, ms=3, label=key)
         for b in bw['boundaries']:
             ax.axvline(b, color='grey', ls=':', lw=0.8)
-        ax.set(xlabel='reader sublayer (last = readout)', ylabel='mean depth-softmax weight', ylim=(0, 1),
-               title=f"{r['label']}: low-use segment {bw['low_use_sublayers']} sublayers")
+        n = bw['low_use_sublayers']
+        ax.set(xlabel='reader sublayer (last = readout)', ylabel='mean depth-softmax weight', ylim=(0, 1))
+        ax.set_title(f"{r['label']}: low-use segment {n} sublayer{'' if n == 1 else 's'}\n"
+                     f"(leading readers with < {bw['low_use_threshold']:g} on the running sum)", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
