@@ -358,10 +358,15 @@ class BlockAttnRes(AttnRes):
                     f"sublayers, so every read sees only the embedding and the running sum"]
         return []
 
+    def boundary(self, k):
+        """Whether the read of sublayer k (0-based, counted in the run) is at an AttnRes-block
+        boundary, where P is frozen as a new source: the one rule of read_at and skip."""
+        return k % self.group_size == 0
+
     def read_at(self, sources, partial, k, mixer, b, j):
         """The input of sublayer k (recorded as block b, sublayer j): freezes P at a boundary,
         then reads the embedding, the frozen blocks and P. -> (sources, partial, z, boundary)."""
-        boundary = k % self.group_size == 0
+        boundary = self.boundary(k)
         if boundary and partial is not None:
             sources, partial = sources + (partial,), None
         current = -1 if partial is None else len(sources)
@@ -387,9 +392,9 @@ class BlockAttnRes(AttnRes):
 
     def skip(self, state, b):
         sources, partial, k, _, _ = state
-        if (k + 1) % self.group_size == 0 and partial is not None:  # a boundary at the skipped MLP still freezes P
+        if self.boundary(k + 1) and partial is not None:  # a boundary at the skipped MLP still freezes P
             sources, partial = sources + (partial,), None
-        if (k + 2) % self.group_size == 0:  # next-output rule: identity on the newest source
+        if self.boundary(k + 2):  # next-output rule: identity on the newest source
             if partial is not None:
                 sources = sources + (partial,)
             return BlockState(sources, None, k + 2, sources[-1], True)

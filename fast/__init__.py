@@ -37,6 +37,7 @@ trains with.
 
 import ast
 import copy
+import hashlib
 import importlib.util
 import inspect
 import textwrap
@@ -45,9 +46,10 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import residuals
-from fast import attnres, hc, moda, streams
+from fast import attnres, depth_read, hc, moda, streams
 from model import GPT
 
 
@@ -62,12 +64,23 @@ class FastPath:
     package: str | None = None   # a module it needs ('fla', 'liger_kernel')
     applies: Callable = lambda cfg: True  # the scheme options it maps exactly
     in_run_dtype: bool = False   # reads and writes in the run's autocast dtype: a declared rounding (check_autocast)
+    output: int = 0              # the output that training differentiates (check_autocast weights its gradient)
+
+
+def full_attnres(cfg):
+    """AttnRes.read's grouped form serves Full AttnRes; Block AttnRes's is its read_at's."""
+    return not issubclass(residuals.RESIDUALS[cfg.residual], residuals.BlockAttnRes)
 
 
 FAST_PATHS = [
-    FastPath('attnres_read_fla', residuals.AttnRes, 'read', attnres.fla_read, 'fla fused_attnres',
-             cuda_only=True, package='fla', in_run_dtype=True),
-    FastPath('attnres_read_torch', residuals.AttnRes, 'read', attnres.torch_read, 'DepthRead (torch)'),
+    FastPath('attnres_group_triton', residuals.AttnRes, 'read', depth_read.read(depth_read.TritonOps),
+             'grouped depth read (Triton)', cuda_only=True, package='triton', applies=full_attnres),
+    FastPath('blockattnres_group_triton', residuals.BlockAttnRes, 'read_at', depth_read.read_at(depth_read.TritonOps),
+             'grouped depth read (Triton)', cuda_only=True, package='triton', output=2),
+    FastPath('attnres_group_torch', residuals.AttnRes, 'read', depth_read.read(depth_read.TorchOps),
+             'grouped depth read (torch)', applies=full_attnres),
+    FastPath('blockattnres_group_torch', residuals.BlockAttnRes, 'read_at', depth_read.read_at(depth_read.TorchOps),
+             'grouped depth read (torch)', output=2),
     FastPath('mhc_coeffs_liger', residuals.MHC, 'coefficients', streams.liger_coefficients, 'liger_mhc_coeffs',
              cuda_only=True, package='liger_kernel', applies=lambda cfg: cfg.mhc_sinkhorn == 'liger'),
     FastPath('mhc_coeffs_torch', residuals.MHC, 'coefficients', streams.torch_mhc_coefficients,
@@ -81,6 +94,13 @@ FAST_PATHS = [
              'batched matmul-add (torch)'),
     FastPath('moda_sdpa', residuals.MoDA, 'attention', moda.sdpa_attention, 'null key on SDPA'),
 ]
+
+
+# fla-core's per-read AttnRes kernel: the published kernel the grouped read is measured against
+# (tools/gpu_check.py, `bench.py --suite=step`), not selected by `select`: the grouped read
+# reads each source once per group where it reads every source at every read (fast/attnres.py).
+FLA_READ = FastPath('attnres_read_fla', residuals.AttnRes, 'read', attnres.fla_read, 'fla fused_attnres',
+                    cuda_only=True, package='fla', in_run_dtype=True)
 
 
 class FastPathMismatch(RuntimeError):
@@ -151,6 +171,13 @@ def _run(model, idx):
     return [('logits', logits.detach())] + [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
 
 
+def _plain_function(label):
+    """The function of residuals.py a plain_code label names ('AttnRes.mix', 'sinkhorn'), or None."""
+    owner, _, name = label.rpartition('.')
+    fn = getattr(getattr(residuals, owner, None), name, None) if owner else getattr(residuals, name, None)
+    return fn if callable(fn) and not isinstance(fn, type) else None
+
+
 def plain_code(path):
     """The plain code a fast path stands in for, as a student would edit it: its method and,
     read from the source, every method of the scheme (`self.name`) and function of
@@ -178,15 +205,51 @@ def plain_code(path):
     return found
 
 
-def check(model, paths, device, dtype=None):
+def fingerprint(label):
+    """12 hex digits of the code of plain function `label` (its syntax tree without docstring,
+    name or decorators: comments and formatting do not count), or None when it has no source
+    (a lambda put in its place)."""
+    fn = _plain_function(label)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(tree, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    body = tree.body[1:] if tree.body and isinstance(tree.body[0], ast.Expr) and \
+        isinstance(tree.body[0].value, ast.Constant) and isinstance(tree.body[0].value.value, str) else tree.body
+    code = ast.dump(tree.args, annotate_fields=False) + ''.join(ast.dump(node, annotate_fields=False) for node in body)
+    return hashlib.sha256(code.encode()).hexdigest()[:12]
+
+
+def edited(path):
+    """The plain code of `path` that differs from the code its fast path was checked against
+    (CHECKED_CODE): the methods a student edited. [] when none was."""
+    return [label for label in plain_code(path) if fingerprint(label) != CHECKED_CODE.get(label)]
+
+
+def _refusal(p, what):
+    """The guard's one line for fast path p, which disagrees with the plain code in `what`."""
+    changed = edited(p)
+    if changed:
+        return (f"--fast=True refused: residuals.py's {', '.join(changed)} {'was' if len(changed) == 1 else 'were'} "
+                f"edited, and fast path {p.name} ({p.runs}, in place of residuals.{p.scheme.__name__}.{p.method}) "
+                f"computes the code it was checked against ({what}); run with --fast=False so that your edit "
+                f"is what runs")
+    return (f"fast path {p.name} ({p.runs}) disagrees with residuals.{p.scheme.__name__}.{p.method} ({what}; "
+            f"residuals.py: {', '.join(plain_code(p))}); run with --fast=False")
+
+
+def check(model, paths, device, dtype=None, twin_dtype=None):
     """The start-up guard: a twin of `model` (`twin_config`, random weights; fp64 on the CPU,
-    fp32 on CUDA) runs a training step plain and then with each fast path alone; logits and
-    every gradient must agree to 1e-9 relative (fp64) or 2e-3 (fp32). With `dtype` bf16 or
-    fp16 (the run's autocast) each fast path is then also held against the plain method under
-    that autocast (`check_autocast`). Raises FastPathMismatch naming the fast path and the
-    plain code it replaces (`plain_code`) otherwise."""
+    fp32 on CUDA, or `twin_dtype`) runs a training step plain and then with each fast path alone;
+    logits and every gradient must agree to 1e-9 relative (fp64) or 2e-3 (fp32). With `dtype`
+    bf16 or fp16 (the run's autocast) each fast path is then also held against the plain method
+    under that autocast (`check_autocast`). Raises FastPathMismatch naming the fast path and the
+    plain code it replaces (`plain_code`), and the plain code that was edited, otherwise."""
     device = torch.device(device)
-    twin_dtype, tol = (torch.float64, 1e-9) if device.type == 'cpu' else (torch.float32, 2e-3)
+    twin_dtype = twin_dtype or (torch.float64 if device.type == 'cpu' else torch.float32)
+    tol = 1e-9 if twin_dtype == torch.float64 else 2e-3
     twin = GPT(twin_config(model.config)).to(device=device, dtype=twin_dtype)
     randomise(twin)
     idx = torch.randint(0, twin.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
@@ -197,21 +260,15 @@ def check(model, paths, device, dtype=None):
             got = _run(twin, idx)
         finally:
             disable(twin)
-        code = ', '.join(plain_code(p))
         if [n for n, _ in got] != [n for n, _ in plain]:
-            raise FastPathMismatch(f"fast path {p.name} ({p.runs}) leaves other parameters without gradient than "
-                                   f"residuals.{p.scheme.__name__}.{p.method} (residuals.py: {code}): "
-                                   f"run with --fast=False")
+            raise FastPathMismatch(_refusal(p, "it leaves other parameters without gradient on the start-up twin"))
         # each tensor's error relative to its largest entry, floored at 1e-3 of the largest of all
         # (a gradient that is small by cancellation carries the rounding of its larger terms)
         floor = 1e-3 * max(t.abs().max().item() for _, t in plain)
         for (n, want), (_, have) in zip(plain, got):
             err = (have - want).abs().max().item() / max(want.abs().max().item(), floor)
-            if not err <= tol:
-                raise FastPathMismatch(
-                    f"fast path {p.name} ({p.runs}) disagrees with residuals.{p.scheme.__name__}.{p.method} "
-                    f"on the start-up twin ({n}: relative error {err:.1e} > {tol:.0e}); if you edited any of "
-                    f"{code} in residuals.py, run with --fast=False so that your code is what runs")
+            if not err <= tol:  # NaN fails too
+                raise FastPathMismatch(_refusal(p, f"start-up twin, {n}: relative error {err:.1e} > {tol:.0e}"))
     if dtype in LOW_PRECISION:
         check_autocast(model, paths, device, dtype)
 
@@ -258,11 +315,12 @@ def _calls(twin, method, idx, dtype):
     return calls
 
 
-def _replay(fn, res, args, on, dtype, to=None, modules=None):
+def _replay(fn, res, args, on, dtype, to=None, modules=None, output=0):
     """fn(res, *args) under `dtype` autocast (if `on`) on fresh leaves of args (float tensors cast
     to `to`; submodules of the twin's scheme mapped through `modules`), gradient of a fixed random
-    weighting of its first output (what training reads) -> (outputs, gradients of the tensor
-    inputs and of res's parameters (None: unused), normalisers run in low precision)."""
+    weighting of its output number `output` (what training reads) -> (its float tensor outputs,
+    gradients of the tensor inputs and of res's parameters (None: unused), normalisers run in
+    low precision)."""
     leaves = []
 
     def leaf(a):
@@ -279,9 +337,10 @@ def _replay(fn, res, args, on, dtype, to=None, modules=None):
             out = fn(res, *args)
         out = list(out) if isinstance(out, tuple) else [out]
         g = torch.Generator().manual_seed(2)
-        w = torch.randn(out[0].shape, generator=g, dtype=torch.float64).to(out[0].device)
-        grads = torch.autograd.grad((out[0].double() * w).sum(), leaves + params, allow_unused=True)
-    return [o.detach() for o in out], list(grads), ops.ops
+        w = torch.randn(out[output].shape, generator=g, dtype=torch.float64).to(out[output].device)
+        grads = torch.autograd.grad((out[output].double() * w).sum(), leaves + params, allow_unused=True)
+    floats = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [o.detach() for o in floats], list(grads), ops.ops
 
 
 def check_autocast(model, paths, device, dtype):
@@ -310,11 +369,11 @@ def check_autocast(model, paths, device, dtype):
             if p.in_run_dtype:  # its declared rounding: the plain method and fp64 read the same inputs
                 args = [[t.to(dtype) for t in a] if isinstance(a, (list, tuple)) else
                         a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-            want_out, want_grads, _ = _replay(plain, ref, args, False, dtype, torch.float64, modules)
-            base_out, base_grads, base_ops = _replay(plain, res, args, on, dtype)
+            want_out, want_grads, _ = _replay(plain, ref, args, False, dtype, torch.float64, modules, p.output)
+            base_out, base_grads, base_ops = _replay(plain, res, args, on, dtype, output=p.output)
             if p.in_run_dtype:  # and the plain method's outputs are rounded as the fast path's are
                 base_out = [o.to(dtype).to(o.dtype) for o in base_out]
-            have_out, have_grads, have_ops = _replay(p.impl, res, args, on, dtype)
+            have_out, have_grads, have_ops = _replay(p.impl, res, args, on, dtype, output=p.output)
             extra = sorted(have_ops - base_ops)
             if extra:
                 raise FastPathMismatch(f"{where}: runs {', '.join(extra)} in {low} where the plain method does not; "
@@ -358,3 +417,23 @@ def describe(paths):
     if not paths:
         return "fast paths: off (the plain code of residuals.py)"
     return "fast paths: " + ", ".join(f"{p.name} ({p.runs})" for p in paths) + " - checked against residuals.py"
+
+
+# The plain code each fast path was last checked against (`fingerprint` of every label of
+# `plain_code`): when the guard refuses, the labels whose code differs are the edit it names.
+# tests/test_fast.py fails when this table and residuals.py part ways; after changing a plain
+# method on purpose, make its fast paths compute the new code, then update its line here
+# (`python -c "import fast; print(fast.current_code())"`).
+CHECKED_CODE = {
+    'AttnRes.read': 'b4e3dc1b2774', 'AttnRes.mix': '2d570f090332', 'no_autocast': '0ba5bf60b5f3',
+    'BlockAttnRes.read_at': '4333cb12b75d', 'BlockAttnRes.boundary': '1d5c91b87103',
+    'Residual.record': '238965e20163', 'MHC.coefficients': '0d330215714b', 'sinkhorn': '0753b2593d6f',
+    'MHC.sinkhorn_rounds': '8b3588bc5fa7', 'sinkhorn_rounds': '8b3588bc5fa7', 'sinkhorn_round': '0c8a96a9f001',
+    'HC.coefficients': '0eb74f874b89', 'MultiStream.read_streams': 'c5ffc4ba25bf',
+    'MultiStream.write_streams': '77d316b0ddba', 'MoDA.attention': 'd0d664ed1a75',
+}
+
+
+def current_code():
+    """{label: fingerprint} of the plain code of every fast path as residuals.py has it now."""
+    return {label: fingerprint(label) for p in FAST_PATHS for label in plain_code(p)}

@@ -1,13 +1,13 @@
 """
-Fast forms of the AttnRes depth read, `residuals.AttnRes.read(sources, mixer) -> (z, a)`:
-z = sum_i a_i v_i, a = softmax_i(w . RMSNorm_key(v_i)) over n sources (B, T, d).
+fla-core's AttnRes depth read, `residuals.AttnRes.read(sources, mixer) -> (z, a)` on
+fla.ops.attnres.fused_attnres (arXiv 2603.15031; the study's own kernel derives from it): one
+pass over a read's sources forward, two backward, nothing of size n x (B, T, d) kept. CUDA only.
 
-- `fla_read`: fla-core's fused Triton kernel (fla.ops.attnres.fused_attnres, arXiv 2603.15031;
-  the study's own kernel derives from it): one pass over the sources forward, two backward,
-  nothing of size n x (B, T, d) kept. CUDA only.
-- `torch_read`: the same read as a torch.autograd.Function with a hand-written backward that
-  keeps the n dot products and 1/rms per token, not the stacked (n, B, T, d) copies autograd
-  keeps for the plain form. Any device.
+It is not a fast path of `fast` (the grouped read of fast/depth_read.py reads each source once
+per group of reads, and sums each source's gradient in one buffer, where this kernel reads every
+source at every read and autograd sums the gradients read by read): it is the published kernel
+the grouped read is measured against (tools/gpu_check.py, `bench.py --suite=step`), and it runs
+under Triton's interpreter in the test suite.
 """
 
 import inspect
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from residuals import no_autocast
 
 # fla-core's three attnres kernels take their launch configs from here, never from Triton's
 # autotuner (which would time every variant, serially, at the first call's shape: minutes on a
@@ -83,56 +82,3 @@ def fla_read(self, sources, mixer):
     z, a = fused_attnres(mixer.query, [cast_once(v, dtype) for v in sources], mixer.key_norm.weight,
                          rms_eps=mixer.key_norm.eps, return_weights=True)
     return z.float(), a.float()
-
-
-class DepthRead(torch.autograd.Function):
-    """z, a = DepthRead.apply(query, key_gain, eps, *sources). With u = w * g, s_i =
-    1/rms(v_i), r_i = v_i . u, e_i = r_i s_i, a = softmax(e), z = sum_i a_i v_i, and
-    incoming gradients gz, ga:
-        p_i = gz . v_i + ga_i,   ge_i = a_i (p_i - sum_j a_j p_j)
-        gv_i = a_i gz + ge_i s_i u - ge_i r_i s_i^3 v_i / d,   gu = sum ge_i s_i v_i
-        gw = gu * g,   gg = gu * w
-    Math in fp32 (fp64 for fp64 sources); saves r, s (n, B, T) and the sources themselves
-    (alive anyway: they are the AttnRes state)."""
-
-    @staticmethod
-    def forward(ctx, query, key_gain, eps, *sources):
-        acc = torch.promote_types(sources[0].dtype, torch.float32)
-        with no_autocast(query):
-            u = query.to(acc) * key_gain.to(acc)                                          # (d,)
-            s = torch.stack([torch.rsqrt(v.to(acc).pow(2).mean(-1) + eps) for v in sources])  # (n, B, T)
-            r = torch.stack([v.to(acc) @ u for v in sources])                             # (n, B, T)
-            a = torch.softmax(r * s, dim=0)
-            z = torch.zeros(sources[0].shape, dtype=acc, device=u.device)
-            for i, v in enumerate(sources):
-                z.addcmul_(a[i].unsqueeze(-1), v)
-        ctx.save_for_backward(query, key_gain, r, s, *sources)
-        ctx.set_materialize_grads(False)
-        return z, a
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gz, ga):
-        query, key_gain, r, s, *sources = ctx.saved_tensors
-        acc, d = r.dtype, sources[0].size(-1)
-        with no_autocast(query):
-            u = query.to(acc) * key_gain.to(acc)
-            a = torch.softmax(r * s, dim=0)
-            gz = torch.zeros(sources[0].shape, dtype=acc, device=u.device) if gz is None else gz.to(acc)
-            p = torch.stack([torch.linalg.vecdot(v.to(acc), gz) for v in sources])       # (n, B, T)
-            if ga is not None:
-                p = p + ga
-            ge = a * (p - (a * p).sum(0, keepdim=True))                                    # (n, B, T)
-            c, gs = ge * s, -ge * r * s.pow(3) / d                                          # reach u, and v through s
-            gu = torch.zeros_like(u)
-            gv = []
-            for i, v in enumerate(sources):
-                gu.addmv_(v.reshape(-1, d).to(acc).t(), c[i].reshape(-1))
-                g = a[i].unsqueeze(-1) * gz + c[i].unsqueeze(-1) * u + gs[i].unsqueeze(-1) * v.to(acc)
-                gv.append(g.to(v.dtype))
-        return (gu * key_gain.to(acc)).to(query.dtype), (gu * query.to(acc)).to(key_gain.dtype), None, *gv
-
-
-def torch_read(self, sources, mixer):
-    """AttnRes.read as `DepthRead`: (z (B, T, d), a (n, B, T)), fp32."""
-    return DepthRead.apply(mixer.query, mixer.key_norm.weight, mixer.key_norm.eps, *sources)

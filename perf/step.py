@@ -68,7 +68,9 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 import cost
 import fast
+from fast.launch import Recorder
 from model import GPT, GPTConfig
+from residuals import RESIDUALS
 
 aten = torch.ops.aten
 
@@ -432,15 +434,19 @@ def kernel_stand_ins():
                 sys.modules[n] = m
 
 
-def cuda_paths(model, kernels=True):
-    """The fast paths fast.select picks on CUDA: with kernels=True as if fla-core and
-    liger-kernel were installed, else the torch forms (a CUDA run without them)."""
+def cuda_paths(model, kernels=True, fla=False):
+    """The fast paths fast.select picks on CUDA: with kernels=True as if Triton, fla-core and
+    liger-kernel were installed, else the torch forms (a CUDA run without them); fla=True puts
+    fla-core's per-read kernel (fast.FLA_READ) in place of the grouped AttnRes read, the
+    published kernel it is measured against."""
     res, chosen = model.residual, {}
+    if fla and isinstance(res, fast.FLA_READ.scheme):
+        chosen = {'read': fast.FLA_READ, 'read_at': None}
     for p in fast.FAST_PATHS:
         if isinstance(res, p.scheme) and p.method not in chosen and p.applies(model.config) \
                 and (kernels or p.package is None):
             chosen[p.method] = p
-    return list(chosen.values())
+    return [p for p in chosen.values() if p is not None]
 
 
 # -----------------------------------------------------------------------------
@@ -451,17 +457,20 @@ def count_step(cfg, batch, seq_len, fast_paths='cuda', dtype=torch.bfloat16, cud
     """One training micro-step of GPT(cfg) on (batch, seq_len) tokens under fake tensors:
     forward under `dtype` autocast (None: none), loss, backward, every parameter's gradient
     already allocated (accumulated in place, as on every micro-step after the first).
-    fast_paths: 'cuda' (fla/liger stand-ins), 'cuda_torch' (fast/'s torch forms) or 'off'.
+    fast_paths: 'cuda' (fast/'s Triton launches recorded, liger's stand-ins), 'cuda_fla' (the same
+    with fla-core's per-read AttnRes kernel in place of the grouped read), 'cuda_torch' (fast/'s
+    torch forms) or 'off'.
     cuda_forms: F.rms_norm as CUDA's fused kernel. Returns dict(kernels, bytes, flops,
     saved (bytes), ops [(flops, bytes)], by_op {name: [kernels, bytes, flops]}, paths,
     params, model_flops (model.flops_per_token x tokens)). Raises ValueError for a bad
     fast_paths."""
-    if fast_paths not in ('cuda', 'cuda_torch', 'off'):
-        raise ValueError(f"fast_paths={fast_paths!r}: use 'cuda', 'cuda_torch' or 'off'")
+    if fast_paths not in ('cuda', 'cuda_fla', 'cuda_torch', 'off'):
+        raise ValueError(f"fast_paths={fast_paths!r}: use 'cuda', 'cuda_fla', 'cuda_torch' or 'off'")
     cfg = GPTConfig(**{**vars(cfg), 'block_size': max(cfg.block_size, seq_len)})
     with torch.device('meta'):
         model = GPT(cfg)
-    paths = [] if fast_paths == 'off' else cuda_paths(model, kernels=fast_paths == 'cuda')
+    paths = [] if fast_paths == 'off' else cuda_paths(model, kernels=fast_paths != 'cuda_torch',
+                                                      fla=fast_paths == 'cuda_fla')
     counter = StepCount()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device='cpu')
@@ -473,8 +482,9 @@ def count_step(cfg, batch, seq_len, fast_paths='cuda', dtype=torch.bfloat16, cud
         autocast = torch.autocast('cpu', dtype=dtype) if dtype is not None else contextlib.nullcontext()
         forms = CudaForms() if cuda_forms else contextlib.nullcontext()
         _ACTIVE.append(counter)
+        recorder = Recorder(lambda name, reads, writes, flops: counter.record(name, reads, writes, flops, dedupe=True))
         try:
-            with kernel_stand_ins(), forms, counter:
+            with kernel_stand_ins(), forms, counter, recorder:
                 with saved, autocast:
                     _, loss = model(idx, idx)
                 loss.backward()
@@ -542,17 +552,26 @@ def top_ops(count, base=None, n=8):
     return sorted(rows, key=lambda r: -r[2])[:n]
 
 
-def run(schemes, cfg_kw, batch, seq_len, fast_paths='cuda', log=print):
-    """count_step for Pre-LN and every scheme (a progress bar over them); returns {scheme: count}."""
+FLA = ' (fla)'  # the suffix of a row counted with fla-core's AttnRes read (fast_paths 'cuda_fla')
+
+
+def run(schemes, cfg_kw, batch, seq_len, fast_paths='cuda', log=print, compare_fla=True):
+    """count_step for Pre-LN and every scheme (a progress bar over them); with fast_paths 'cuda'
+    and compare_fla, each AttnRes scheme also as '<scheme> (fla)', on fla-core's per-read kernel.
+    Returns {row: count}."""
     from tqdm import tqdm
     names = ['preln'] + [s for s in dict.fromkeys(schemes) if s != 'preln']
+    rows = [(s, s, fast_paths) for s in names]
+    if compare_fla and fast_paths == 'cuda':
+        rows += [(s + FLA, s, 'cuda_fla') for s in names
+                 if issubclass(RESIDUALS[s], fast.FLA_READ.scheme)]
     counts = {}
-    bar = tqdm(names, desc='step', unit='scheme', file=sys.stderr, disable=None)
-    for s in bar:
-        bar.set_postfix_str(s)
+    bar = tqdm(rows, desc='step', unit='count', file=sys.stderr, disable=None)
+    for row, s, paths in bar:
+        bar.set_postfix_str(row)
         t0 = time.perf_counter()
-        counts[s] = count_step(GPTConfig(**{**cfg_kw, 'residual': s}), batch, seq_len, fast_paths)
-        counts[s]['count_s'] = time.perf_counter() - t0
+        counts[row] = count_step(GPTConfig(**{**cfg_kw, 'residual': s}), batch, seq_len, paths)
+        counts[row]['count_s'] = time.perf_counter() - t0
     return counts
 
 

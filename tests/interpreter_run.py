@@ -19,6 +19,7 @@ pins), both about what compiled Triton does and the interpreter does not:
 """
 
 import ast
+import copy
 import dataclasses
 import json
 import os
@@ -127,12 +128,99 @@ def case_liger_write():
                    (H, Mx, w, y), [H, Mx, w, y])
 
 
+def depth_reads(res, read, srcs, dtype, chain, weighted):
+    """The 2L depth reads of AttnRes scheme `res` in the model's order with the method `read`
+    (AttnRes.read's or BlockAttnRes.read_at's signature); srcs: the leaves (x fp32, then a
+    source per read in `dtype`; Block AttnRes: a running sum per read, fp32). chain: each read's
+    z (cast to dtype) is added to the next read's source, as a sublayer's output would be
+    (the model's backward order); else the reads are independent (another order). Returns
+    ([z...] + ([a...] if weighted)), the outputs the loss weights."""
+    from fast.depth_read import read_order
+    order, zs, a_s = read_order(res), [], []
+    block = hasattr(res, 'read_at')
+    sources, partial, prev = ((srcs[0],), None, None) if block else ([srcs[0]], None, None)
+    for k in range(1, len(order) + 1):
+        v = srcs[k] if prev is None else srcs[k] + prev.to(srcs[k].dtype)
+        if block:
+            partial = v if partial is None or not chain else partial + v
+            sources, partial, z, _ = read(res, sources, partial, k, order[k - 1], k // 2, 1 - k % 2)
+        else:
+            sources.append(v)
+            z, a = read(res, sources, order[k - 1])
+            a_s.append(a)
+        zs.append(z)
+        prev = z if chain else None
+    return zs + (a_s if weighted else [])
+
+
+def case_depth(scheme, G, dtype, chain=False, weighted=False, big=False):
+    """The grouped depth read on its Triton kernels (fast.depth_read.TritonOps) and the plain read,
+    each against the plain read in fp64 on the same inputs, over all 2L = 8 reads of a 4-block
+    scheme (d = 24: a block of 32 lanes, 8 masked; N = 5 tokens over 2 backward programs: a
+    remainder), groups of G reads: every z (and a) and the gradients of every source,
+    pseudo-query and key gain. Returns ([(fast, plain) error of each output], [... each
+    gradient]), each error |have - fp64| / |fp64| over the tensor. big: pseudo-queries 40x
+    (scores of +-100, where exp overflows fp32 without the running max)."""
+    from fast import depth_read as dr
+    g = torch.Generator().manual_seed(7)
+    low = {'fp32': torch.float32, 'bf16': torch.bfloat16}[dtype]
+    res = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_embd=24, n_head=4, residual=scheme,
+                        attnres_blocks=4)).residual
+    fast.randomise(res)
+    if big:
+        with torch.no_grad():
+            for m in dr.read_order(res):
+                m.query.mul_(40)
+    srcs = [leaf(1, 5, 24, g=g)] + [(torch.randn(1, 5, 24, generator=g) * (0.5 + k % 3)).to(
+        torch.float32 if scheme == 'blockattnres' else low).requires_grad_() for k in range(1, 9)]
+    plain = type(res).read_at if scheme == 'blockattnres' else type(res).read
+    fast_read = (dr.read_at if scheme == 'blockattnres' else dr.read)(dr.TritonOps)
+    ref = copy.deepcopy(res).double()
+
+    def run(r, fn, leaves):
+        params = [p for m in dr.read_order(r) for p in (m.query, m.key_norm.weight)]
+        outs = depth_reads(r, fn, leaves, leaves[1].dtype, chain, weighted)
+        w = torch.Generator().manual_seed(2)
+        loss = sum((o.double() * torch.randn(o.shape, generator=w, dtype=torch.float64)).sum() for o in outs)
+        return [o.detach() for o in outs], torch.autograd.grad(loss, leaves + params, allow_unused=True)
+    dr.G_MAX, programs = G, dr.TritonOps.GU_PROGRAMS
+    dr.TritonOps.GU_PROGRAMS = 2
+    try:
+        want_o, want_g = run(ref, plain, [s.detach().double().requires_grad_() for s in srcs])
+        base_o, base_g = run(res, plain, srcs)
+        have_o, have_g = run(res, fast_read, srcs)
+    finally:
+        dr.G_MAX, dr.TritonOps.GU_PROGRAMS = 8, programs
+    assert all(h.shape == w.shape and h.dtype == w.dtype for h, w in zip(have_o, base_o))
+    assert all((h is None) == (w is None) and (h is None or h.dtype == w.dtype) for h, w in zip(have_g, base_g))
+
+    def err(have, want):
+        return ((have.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+    return ([(err(h, w), err(b, w)) for h, b, w in zip(have_o, base_o, want_o)],
+            [(err(h, w), err(b, w)) for h, b, w in zip(have_g, base_g, want_g) if w is not None])
+
+
+def case_guard_depth():
+    """The start-up guard given the Triton paths of the grouped read under the interpreter: the
+    fp32 twin (as on CUDA: 2e-3) and bf16 autocast; None where accepted, else the refusal."""
+    out = {}
+    for residual in ('attnres', 'blockattnres'):
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=D, n_head=4, residual=residual))
+        paths = [p for p in fast.FAST_PATHS if p.name == residual + '_group_triton']
+        try:
+            fast.check(model, paths, 'cpu', torch.bfloat16, twin_dtype=torch.float32)
+            out[residual] = None
+        except fast.FastPathMismatch as e:
+            out[residual] = str(e)
+    return out, []
+
+
 def case_guard_bf16():
     """fast.check_autocast, the start-up guard under bf16 autocast, given each CUDA kernel path on
     its scheme's twin: {scheme/path: None if accepted, else the refusal}; and fla's path without
     its declared rounding (in_run_dtype), which the guard must refuse."""
     out = {}
-    kernels = {p.name: p for p in fast.FAST_PATHS if p.cuda_only}
+    kernels = {p.name: p for p in fast.FAST_PATHS + [fast.FLA_READ] if p.cuda_only}
     plan = [('attnres', 'attnres_read_fla'), ('blockattnres', 'attnres_read_fla'), ('mhc', 'streams_read_liger'),
             ('mhc', 'streams_write_liger'), ('attnres', 'undeclared')]  # liger_mhc_coeffs: fp32, and slow here
     for residual, name in plan:
@@ -147,7 +235,15 @@ def case_guard_bf16():
 
 
 CASES = {'fla_read': case_fla_read, 'fla_read_2': lambda: case_fla_read(2), 'liger_coefficients': case_liger_coefficients,
-         'liger_read': case_liger_read, 'liger_write': case_liger_write, 'guard_bf16': case_guard_bf16}
+         'liger_read': case_liger_read, 'liger_write': case_liger_write, 'guard_bf16': case_guard_bf16,
+         'guard_depth': case_guard_depth}
+for _scheme in ('attnres', 'blockattnres'):  # the grouped read's kernels: groups of 1, 3 and 8 reads
+    for _G in (1, 3, 8):
+        for _dtype in ('fp32', 'bf16'):
+            CASES[f'depth_{_scheme}_G{_G}_{_dtype}'] = lambda a=_scheme, b=_G, c=_dtype: case_depth(a, b, c)
+    CASES[f'depth_{_scheme}_G8_chain'] = lambda a=_scheme: case_depth(a, 8, 'fp32', chain=True)
+    CASES[f'depth_{_scheme}_G3_big'] = lambda a=_scheme: case_depth(a, 3, 'fp32', chain=True, big=True)
+CASES['depth_attnres_G3_weights'] = lambda: case_depth('attnres', 3, 'fp32', weighted=True)
 
 if __name__ == '__main__':
     torch.set_num_threads(1)

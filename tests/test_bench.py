@@ -54,12 +54,12 @@ def test_fast_suite_pairs_plain_and_fast(capsys):
     models of a row start from the same weights (same loss at the first step)."""
     rows = bench.main(TINY + ['--suite=fast', '--schemes=preln,attnres,mhc,sandwich'])
     assert [r['scheme'] for r in rows] == ['attnres', 'mhc']
-    assert rows[0]['paths'] == ['attnres_read_torch']
+    assert rows[0]['paths'] == ['attnres_group_torch']
     assert 'mhc_coeffs_torch' in rows[1]['paths'] and 'streams_write_torch' in rows[1]['paths']
     for r in rows:
         assert r['plain_ms'] > 0 and r['fast_ms'] > 0 and r['fast_vs_plain'] > 0
     out = capsys.readouterr().out
-    assert 'sandwich: no fast path on cpu' in out and '| attnres | attnres_read_torch |' in out
+    assert 'sandwich: no fast path on cpu' in out and '| attnres | attnres_group_torch |' in out
 
 
 @pytest.mark.slow

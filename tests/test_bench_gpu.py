@@ -37,14 +37,14 @@ def test_gpu_check_runs_every_stage_at_tiny_shapes(data_dir, tmp_path):  # noqa:
     env = got[0]['result']
     assert env['torch'] == torch.__version__ and env['torch_ok'] and env['peak_flops'] is None
     assert set(env['packages']) >= {'fla', 'liger_kernel', 'triton'} and env['imports']['fast'] == 'ok'
-    assert env['fast_paths']['attnres'] == ['attnres_read_torch']  # --fast=True on the CPU: the torch forms
+    assert env['fast_paths']['attnres'] == ['attnres_group_torch']  # --fast=True on the CPU: the torch forms
     head = got[1]['result']
     assert head['config'] == 'config/attnres_L32.py' and head['steps_done'] == 3
     assert 'checked against residuals.py' in head['fast_paths']  # the start-up guard ran and passed
     assert head['tokens_per_s'] > 0 and head['mfu'] is None and head['first_step_s'] >= 0
     assert got[2]['result']['attnres_vs_preln_tokens_per_s'] > 0
     reads = got[3]['result']['reads']
-    assert set(reads['attnres read, 7 sources']) == {'plain', 'DepthRead'}
+    assert set(reads['attnres depth reads, 6 reads']) == {'plain', 'attnres_group_torch'}
     assert all(isinstance(ms, float) for row in reads.values() for ms in row.values())
     md = (tmp_path / 'gpu.md').read_text()
     assert md.count('## ') == 5 and 'AttnRes / Pre-LN tokens/s' in md

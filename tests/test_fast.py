@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -38,8 +39,8 @@ B, T, D, N_SRC, M, S = 2, 5, 32, 4, 4, 3       # batch, tokens, width, AttnRes s
 
 def scheme_of(path):
     """The registry name whose model runs `path`'s plain method (the class or a subclass)."""
-    names = {residuals.AttnRes: 'attnres', residuals.MHC: 'mhc', residuals.MultiStream: 'hc', residuals.HC: 'hc',
-             residuals.MoDA: 'moda'}
+    names = {residuals.AttnRes: 'attnres', residuals.BlockAttnRes: 'blockattnres', residuals.MHC: 'mhc',
+             residuals.MultiStream: 'hc', residuals.HC: 'hc', residuals.MoDA: 'moda'}
     return names[path.scheme]
 
 
@@ -70,6 +71,12 @@ def path_inputs(res, method, mode, device):
         mixer = res.layers[0].mlp_mix
         sources = [t(B, T, D, dtype=wide if i == 0 else low, scale=0.5 + i) for i in range(N_SRC)]
         return (sources, mixer), [*sources, mixer.query, mixer.key_norm.weight]
+    if method == 'read_at':  # Block AttnRes: the embedding and frozen block sums, all fp32 (the
+        # embedding's dtype), and the running sum P; read k = 3 (blocks of 2: not a boundary)
+        mixer = res.layers[1].mlp_mix
+        sources = tuple(t(B, T, D, scale=0.5 + i) for i in range(N_SRC - 1))
+        partial = t(B, T, D, scale=2.0)
+        return (sources, partial, 3, mixer, 1, 1), [*sources, partial, mixer.query, mixer.key_norm.weight]
     if method == 'coefficients':  # the streams stay fp32: the routing runs with autocast off
         route = res.layers[0].mlp_route
         H = t(B, T, M, D)
@@ -93,17 +100,20 @@ ROUTING = {'coefficients', 'read_streams', 'write_streams'}
 
 
 def outputs(out):
-    return list(out) if isinstance(out, tuple) else [out]
+    """The float tensors of a method's output (read_at: the sources, P, z)."""
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def forward_backward(fn, res, args, leaves, mode, device, which, autocast_off=False):
+def forward_backward(fn, res, args, leaves, mode, device, which, autocast_off=False, trained=0):
     """Outputs and gradients of a fixed random weighting of the outputs (which='all') or of
-    the first output alone ('first': AttnRes training reads z only, so no gradient reaches a)."""
+    the output number `trained` alone ('first': AttnRes training reads z only, so no gradient
+    reaches a)."""
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mode == 'bf16'):
         with residuals.no_autocast(args[0]) if autocast_off else contextlib.nullcontext():
-            outs = outputs(fn(res, *args))
+            out = fn(res, *args)
+    outs = outputs(out)
     g = torch.Generator().manual_seed(2)
-    used = outs if which == 'all' else outs[:1]
+    used = outs if which == 'all' else [out[trained] if isinstance(out, tuple) else out]
     loss = sum((o.double() * randn(*o.shape, dtype=torch.float64, device=device, g=g)).sum() for o in used)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     return [o.detach() for o in outs], list(grads)
@@ -149,8 +159,8 @@ def test_fast_path_matches_the_plain_method(path, cfg_kw, mode, compiled):
     tol = TOL[mode] if not (path.cuda_only and mode == 'fp32') else 2e-3  # what fast.check allows on CUDA
     for which in ('all', 'first'):
         args, leaves = path_inputs(res, path.method, mode, device)
-        want_out, want_grads = forward_backward(plain, res, args, leaves, mode, device, which, off)
-        have_out, have_grads = forward_backward(impl, res, args, leaves, mode, device, which, off)
+        want_out, want_grads = forward_backward(plain, res, args, leaves, mode, device, which, off, path.output)
+        have_out, have_grads = forward_backward(impl, res, args, leaves, mode, device, which, off, path.output)
         assert len(have_out) == len(want_out)
         for i, (have, want) in enumerate(zip(have_out, want_out)):
             assert have.shape == want.shape and have.dtype == want.dtype, f"output {i}"
@@ -270,11 +280,27 @@ def mix_transposed(monkeypatch):
                         lambda self, H, Mx, w, y: plain(self, H, Mx.transpose(-1, -2), w, y))
 
 
+def read_halved(self, sources, mixer):
+    """AttnRes.read with its output halved: an edit of the replaced method itself."""
+    z, a = residuals.AttnRes.mix(self, torch.stack(sources), mixer)
+    return 0.5 * z, a
+
+
+def read_at_no_freeze(self, sources, partial, k, mixer, b, j):
+    """BlockAttnRes.read_at that never freezes P: an edit of Block AttnRes's own read."""
+    z, a = self.read(sources if partial is None else sources + (partial,), mixer)
+    return sources, partial, z, self.boundary(k)
+
+
 EDITS = [  # (scheme, edit, the fast path that must refuse it, the plain method it replaces, what was edited)
-    ('attnres', lambda mp: mp.setattr(residuals.AttnRes, 'mix', hot_mix), 'attnres_read_torch', 'AttnRes.read',
+    ('attnres', lambda mp: mp.setattr(residuals.AttnRes, 'mix', hot_mix), 'attnres_group_torch', 'AttnRes.read',
      'AttnRes.mix'),
-    ('blockattnres', lambda mp: mp.setattr(residuals.AttnRes, 'mix', hot_mix), 'attnres_read_torch', 'AttnRes.read',
-     'AttnRes.mix'),
+    ('attnres', lambda mp: mp.setattr(residuals.AttnRes, 'read', read_halved), 'attnres_group_torch', 'AttnRes.read',
+     'AttnRes.read'),
+    ('blockattnres', lambda mp: mp.setattr(residuals.AttnRes, 'mix', hot_mix), 'blockattnres_group_torch',
+     'BlockAttnRes.read_at', 'AttnRes.mix'),
+    ('blockattnres', lambda mp: mp.setattr(residuals.BlockAttnRes, 'read_at', read_at_no_freeze),
+     'blockattnres_group_torch', 'BlockAttnRes.read_at', 'BlockAttnRes.read_at'),
     ('mhc', one_round_fewer, 'mhc_coeffs_torch', 'MHC.coefficients', 'sinkhorn'),
     ('hc', mix_transposed, 'streams_write_torch', 'MultiStream.write_streams', 'MultiStream.write_streams'),
 ]
@@ -297,15 +323,15 @@ def test_the_guard_refuses_an_edit_the_fast_path_would_hide(residual, edit, name
         fast.setup(model, True, 'cpu')
     msg = str(e.value)
     assert name in msg and f"residuals.{method}" in msg and '--fast=False' in msg and '\n' not in msg
-    assert f" {edited}," in msg or f" {edited} in residuals.py" in msg, msg
-    assert not any(k in vars(model.residual) for k in ('read', 'coefficients', 'write_streams'))  # nothing enabled
+    assert f"residuals.py's {edited} was edited" in msg, msg  # the edited method, and only it
+    assert not any(k in vars(model.residual) for k in ('read', 'read_at', 'coefficients', 'write_streams'))
     assert fast.setup(model, False, 'cpu') == []
     assert rel_err(logits(model, idx), before) > 1e-7  # with fast off the edit is what runs
 
 
 @pytest.mark.parametrize('residual,cfg_kw,names', [
-    ('attnres', {}, ['attnres_read_torch']),
-    ('blockattnres', {}, ['attnres_read_torch']),
+    ('attnres', {}, ['attnres_group_torch']),
+    ('blockattnres', {}, ['blockattnres_group_torch']),
     ('hc', {}, ['hc_coeffs_torch', 'streams_write_torch']),
     ('mhc', {}, ['mhc_coeffs_torch', 'streams_write_torch']),
     ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_coeffs_torch', 'streams_write_torch']),
@@ -404,7 +430,7 @@ def test_train_refuses_an_edited_read_with_fast_on(data_dir, tmp_path):
 
     r = train(repo, data, f'--out_dir={tmp_path / "fast"}', '--fast=True')
     assert r.returncode != 0
-    named = [line for line in (r.stdout + r.stderr).splitlines() if 'attnres_read_torch' in line]
+    named = [line for line in (r.stdout + r.stderr).splitlines() if 'attnres_group_torch' in line]
     assert len(named) == 1 and '--fast=False' in named[0] and 'AttnRes.read' in named[0], r.stderr[-3000:]
     assert 'AttnRes.mix' in named[0]  # the method the edit is in
     assert 'Traceback' not in r.stderr
@@ -449,9 +475,8 @@ def read_backward_wrong(self, sources, mixer):
 
 
 def read_rounded_under_autocast(self, sources, mixer):
-    """DepthRead, z rounded to bf16 whenever autocast is on: exact in fp64 and fp32."""
-    from fast.attnres import torch_read
-    z, a = torch_read(self, sources, mixer)
+    """The grouped read, z rounded to bf16 whenever autocast is on: exact in fp64 and fp32."""
+    z, a = fast.depth_read.read(fast.depth_read.TorchOps)(self, sources, mixer)
     return (z.bfloat16().float() if torch.is_autocast_enabled(z.device.type) else z), a
 
 
@@ -529,8 +554,8 @@ def test_the_twin_reads_every_branch_of_every_scheme():
 
 
 @pytest.mark.parametrize('residual,cfg_kw,names', [
-    ('attnres', {}, ['attnres_read_fla']),
-    ('blockattnres', {}, ['attnres_read_fla']),
+    ('attnres', {}, ['attnres_group_triton']),
+    ('blockattnres', {}, ['blockattnres_group_triton']),
     ('hc', {}, ['hc_coeffs_torch', 'streams_read_liger', 'streams_write_liger']),
     ('mhc', {}, ['mhc_coeffs_liger', 'streams_read_liger', 'streams_write_liger']),
     ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_coeffs_torch', 'streams_read_liger', 'streams_write_liger']),
@@ -540,7 +565,7 @@ def test_the_cuda_kernel_is_preferred_where_two_paths_apply(residual, cfg_kw, na
     """With CUDA and both packages (faked), select takes the kernel over the torch form of the
     same method; on the CPU, with the packages, the torch forms."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: object() if name in ('fla', 'liger_kernel')
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: object() if name in ('triton', 'liger_kernel')
                         else real(name, *a))
     model = make(residual, **cfg_kw)
     assert [p.name for p in fast.select(model, 'cuda')] == names

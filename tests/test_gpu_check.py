@@ -64,7 +64,9 @@ def test_prepare_then_carry_then_every_stage_in_the_summary(data_dir, tmp_path, 
         assert f'--data_dir={carry / "data"}' in st[name]['result']['args']  # the carried data
     assert [json.loads(line) for line in out.read_text().splitlines()] == [
         dict(stage=k, **v) for k, v in st.items()]  # the summary holds each stage as its line said
-    assert set(st['reads']['result']['reads']['attnres read, 7 sources']) == {'plain', 'DepthRead'}
+    reads = st['reads']['result']['reads']
+    assert set(reads['attnres depth reads, 6 reads']) == {'plain', 'attnres_group_torch'}
+    assert set(reads['blockattnres depth reads, 6 reads']) == {'plain', 'blockattnres_group_torch'}
 
 
 def test_missing_kernels_are_said_loudly(tmp_path):

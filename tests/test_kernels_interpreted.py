@@ -51,17 +51,61 @@ CASES = {  # case: (outputs, gradients) compared
 }
 
 
+def interpret(*cases):
+    """{case: row} of tests/interpreter_run.py run on `cases` in a process of its own."""
+    env = dict(os.environ, TRITON_INTERPRET='1', OMP_NUM_THREADS='1',
+               PYTHONPATH=os.pathsep.join(p for p in (PATH, str(REPO), os.environ.get('PYTHONPATH')) if p))
+    r = subprocess.run([sys.executable, str(REPO / 'tests' / 'interpreter_run.py'), *cases], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row['case']: row for row in map(json.loads, filter(lambda ln: ln.startswith('{'), r.stdout.splitlines()))}
+    assert set(rows) == set(cases)
+    return rows
+
+
+# The grouped AttnRes read's kernels (fast/depth_kernels.py) over all 8 reads of a 4-block model:
+# outputs z (and a), gradients of the 9 sources and of the 8 pseudo-queries and 8 key gains
+DEPTH = [f'depth_{s}_G{g}_{d}' for s in ('attnres', 'blockattnres') for g in (1, 3, 8) for d in ('fp32', 'bf16')] + \
+    [f'depth_{s}_G8_chain' for s in ('attnres', 'blockattnres')] + ['depth_attnres_G3_weights']
+BIG = ['depth_attnres_G3_big', 'depth_blockattnres_G3_big']
+AUTOCAST_FACTOR, AUTOCAST_FLOOR = 3.0, 1e-5  # as the start-up guard: fast <= 3x plain's distance to fp64 + 1e-5
+
+
+@pytest.mark.parametrize('scheme', ['attnres', 'blockattnres'])
+def test_grouped_read_kernels_match_the_plain_read(scheme):
+    """Each case: every output and gradient of the kernels within 3x the plain read's own distance
+    to fp64 (+ 1e-5), the start-up guard's rule: groups of 1, 3 and 8 reads (8 reads: 3 is no
+    divisor), fp32 and bf16 sources, reads independent of each other (an order the grouped read
+    must not rely on) and chained as in the model, the weights' own gradient (a loss on a);
+    pseudo-queries 40x (scores of +-100, where an online softmax without its running max
+    overflows fp32): finite, and within 30x the plain read's distance to fp64 (+ 1e-4). So peaked
+    a softmax leaves each weight's gradient a tiny difference p - c, which the grouped read
+    forms from two dot products (gz . v and gz . z) where the plain read forms c from the same
+    p's: ~sqrt(d) times the plain read's rounding (measured 14x at d = 24)."""
+    cases = [c for c in DEPTH + BIG if c.startswith(f'depth_{scheme}_')]
+    rows = interpret(*cases)
+    for case in cases:
+        row = rows[case]
+        outputs = 16 if case.endswith('weights') else 8
+        assert len(row['outputs']) == outputs and len(row['grads']) == 9 + 16, case
+        for kind in ('outputs', 'grads'):
+            for i, (fast, plain) in enumerate(row[kind]):
+                factor, floor = (30.0, 1e-4) if case in BIG else (AUTOCAST_FACTOR, AUTOCAST_FLOOR)
+                assert fast <= factor * plain + floor, \
+                    f"{case} {kind} {i}: {fast:.1e} from fp64 where the plain read is {plain:.1e}"
+
+
+def test_the_guard_passes_the_grouped_read_kernels():
+    """fast.check on the Triton paths under the interpreter: the fp32 twin (CUDA's 2e-3) and the
+    twin under bf16 autocast accept both as they are."""
+    assert interpret('guard_depth')['guard_depth']['outputs'] == {'attnres': None, 'blockattnres': None}
+
+
 def test_kernels_match_the_plain_methods():
     """One process for all cases (importing triton and interpreting the first launch dominate);
     then the start-up guard under bf16 autocast given each kernel: none refused, and fla's bf16
     output refused when its rounding is not declared."""
-    env = dict(os.environ, TRITON_INTERPRET='1', OMP_NUM_THREADS='1',
-               PYTHONPATH=os.pathsep.join(p for p in (PATH, str(REPO), os.environ.get('PYTHONPATH')) if p))
-    r = subprocess.run([sys.executable, str(REPO / 'tests' / 'interpreter_run.py')], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = {row['case']: row for row in map(json.loads, filter(lambda ln: ln.startswith('{'), r.stdout.splitlines()))}
-    assert set(rows) == set(CASES) | {'guard_bf16'}
+    rows = interpret(*CASES, 'guard_bf16')
     guard = rows['guard_bf16']['outputs']  # the guard under bf16 autocast: accepts every kernel as it is
     assert {k: v for k, v in guard.items() if k != 'attnres/undeclared' and v is not None} == {}
     assert len(guard) == 5 and 'output 0 is' in guard['attnres/undeclared']  # fla's bf16 output, undeclared

@@ -534,12 +534,12 @@ def test_a_resume_with_other_fast_paths_says_so_in_one_note(data_dir, tmp_path):
     out = tmp_path / 'run'
     args = [*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--residual=attnres', '--max_iters=3',
             '--eval_interval=1']
-    train(*args, '--fast=True', '--stop_iter=1')  # attnres_read_torch runs on the CPU
+    train(*args, '--fast=True', '--stop_iter=1')  # attnres_group_torch runs on the CPU
     r = train(*args, '--init_from=resume', '--fast=True', '--stop_iter=2')
     assert not lines(r.stdout, 'note: the fast paths')  # the same paths: no note
     r = train(*args, '--init_from=resume', '--fast=False')
     [said] = lines(r.stdout, 'note: the fast paths')
-    assert "(none) differ from the checkpoint's run's (attnres_read_torch)" in said
+    assert "(none) differ from the checkpoint's run's (attnres_group_torch)" in said
     assert 'bit-identically' in said
 
 

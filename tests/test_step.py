@@ -78,7 +78,8 @@ def test_gpt_step_flops_equal_cost_formula():
 
 @pytest.mark.parametrize('scheme', ['attnres', 'blockattnres', 'mhc'])
 def test_kernel_stand_in_flops_equal_cost_extra_flops(scheme):
-    """fla's read and Liger's mHC ops, as counted on CUDA, do 3x cost.py's extra forward FLOPs."""
+    """The grouped AttnRes read's launches and Liger's mHC ops, as counted on CUDA, do 3x cost.py's
+    extra forward FLOPs (fla's per-read kernel too)."""
     B, T = 2, 16
     cfg = tiny(scheme, attnres_blocks=2)
     c = step.count_step(cfg, B, T, fast_paths='cuda')
@@ -86,8 +87,11 @@ def test_kernel_stand_in_flops_equal_cost_extra_flops(scheme):
     extra = cost.extra_flops(scheme, cfg.n_layer, cfg.n_embd, T, n_head=cfg.n_head, attnres_blocks=2,
                              appendix_d=False)
     assert c['flops'] - base['flops'] == 3 * B * extra
-    assert c['paths'] == {'attnres': ['attnres_read_fla'], 'blockattnres': ['attnres_read_fla'],
+    assert c['paths'] == {'attnres': ['attnres_group_triton'], 'blockattnres': ['blockattnres_group_triton'],
                           'mhc': ['mhc_coeffs_liger', 'streams_read_liger', 'streams_write_liger']}[scheme]
+    if scheme != 'mhc':
+        fla = step.count_step(cfg, B, T, fast_paths='cuda_fla')
+        assert fla['flops'] - base['flops'] == 3 * B * extra and fla['paths'] == ['attnres_read_fla']
 
 
 def test_fla_stand_in_moves_the_bytes_of_its_kernels():
@@ -127,10 +131,12 @@ def test_bench_step_suite_runs_and_rejects_bad_settings(capsys):
     argv = ['--suite=step', '--step_config=', '--n_layer=2', '--n_embd=32', '--n_head=2', '--block_size=16',
             '--batch_size=2', '--vocab_size=64', '--step_schemes=attnres,hc', '--out=']
     counts = bench.main(argv)
-    assert list(counts) == ['preln', 'attnres', 'hc']
+    assert list(counts) == ['preln', 'attnres', 'hc', 'attnres (fla)']
     assert counts['hc']['paths'] == ['hc_coeffs_torch', 'streams_read_liger', 'streams_write_liger']
+    assert counts['attnres (fla)']['paths'] == ['attnres_read_fla']
     out = capsys.readouterr().out
     assert 'estimated, CPU fake-tensor count, no GPU measured' in out and '| attnres |' in out
+    assert "attnres: the grouped read's step" in out and "on fla-core's per-read kernel, H200, estimated" in out
     with pytest.raises(SystemExit, match="step_fast='gpu'"):
         bench.main(argv + ['--step_fast=gpu'])
     with pytest.raises(SystemExit, match='unknown scheme'):

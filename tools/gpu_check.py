@@ -140,11 +140,36 @@ def timed(fn, device, iters):
     return statistics.median(times)
 
 
+def depth_chain(res, read, x, low):
+    """z of the last of AttnRes scheme `res`'s 2L depth reads with the method `read` (AttnRes.read
+    (self, sources, mixer) or BlockAttnRes.read_at's signature), each read's result cast to `low`
+    standing in for the next sublayer's output (Block AttnRes: added to the running sum), x the
+    embedding (B, T, d) fp32."""
+    import torch
+    from fast.depth_read import read_order
+    order = read_order(res)
+    f = x.to(low)                                              # block 0's attention output
+    if hasattr(res, 'read_at'):
+        sources, partial = (x,), None
+        for k in range(1, len(order) + 1):
+            partial = f.to(x.dtype) if partial is None else partial + f
+            sources, partial, z, _ = read(res, sources, partial, k, order[k - 1], k // 2, 1 - k % 2)
+            f = z.to(low)
+        return z
+    sources = [x]
+    for k in range(1, len(order) + 1):
+        sources.append(f)
+        z, _ = read(res, sources, order[k - 1])
+        f = z.to(low)
+    return z
+
+
 def reads_stage(device, tiny):
     """Forward + backward ms of each depth read, plain (residuals.py) against every fast form
     that runs here, at the 400M L = 32 micro-batch (bf16 sublayer outputs, fp32 embedding and
-    streams, as in training): the AttnRes final read (2L + 1 sources), MoDA's attention of the last
-    block (2(L - 1) depth slots), mHC's coefficients and the HC/mHC stream write and read."""
+    streams, as in training): the 2L depth reads of Full and Block AttnRes in a row (`depth_chain`:
+    the grouped reads, and fla-core's per-read kernel for Full AttnRes), MoDA's attention of the
+    last block (2(L - 1) depth slots), mHC's coefficients and the HC/mHC stream write and read."""
     import torch
     import fast
     import residuals
@@ -181,16 +206,24 @@ def reads_stage(device, tiny):
                 torch.cuda.empty_cache()
         results[name] = row
 
-    ar = residuals.AttnRes(cfg).to(dev)
-    mixer = ar.layers[-1].out_mix
-    with torch.no_grad():
-        mixer.query.normal_()
-    sources = [rand(B, T, d)] + [rand(B, T, d, dtype=low) for _ in range(2 * L)]
-    forms = [('plain', fwd_bwd(ar.read, sources, mixer)), ('DepthRead', fwd_bwd(attnres.torch_read, ar, sources, mixer))]
-    if 'attnres_read_fla' in have:
-        forms.append(('fla', fwd_bwd(attnres.fla_read, ar, sources, mixer)))
-    case(f'attnres read, {2 * L + 1} sources', forms)
-    del sources
+    # the 2L depth reads of a forward, each read's result (cast to the sublayers' dtype) the next
+    # source, as the model makes them: the grouped reads share phase 1 across a group of reads
+    for cls in (residuals.AttnRes, residuals.BlockAttnRes):
+        res = cls(cfg).to(dev)
+        with torch.no_grad():  # random pseudo-queries: reads that are not a uniform mean
+            for p in res.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        x = rand(B, T, d)
+        name = 'blockattnres' if cls is residuals.BlockAttnRes else 'attnres'
+        grouped = [q for q in fast.FAST_PATHS if isinstance(res, q.scheme) and q.method in ('read', 'read_at')
+                   and q.applies(GPTConfig(**{**vars(cfg), 'residual': name})) and q.name in have]
+        forms = [('plain', fwd_bwd(depth_chain, res, type(res).read_at if name == 'blockattnres' else type(res).read,
+                                   x, low))]
+        forms += [(q.name, fwd_bwd(depth_chain, res, q.impl, x, low)) for q in grouped]
+        if name == 'attnres' and fast.available(fast.FLA_READ, dev):
+            forms.append(('fla', fwd_bwd(depth_chain, res, attnres.fla_read, x, low)))
+        case(f'{name} depth reads, {2 * L} reads', forms)
+        del x, res
 
     md = residuals.MoDA(cfg).to(dev)
     hd, S = d // H, 2 * (L - 1)
