@@ -101,7 +101,7 @@ compile_steps = 5  # --suite=compile: timed compiled training steps after the fi
 compile_repeats = 1  # --suite=compile: rounds of cold compiles per depth; rows give the medians
 step_config = 'config/preln_L32.py'  # --suite=step: the shape (L, d, heads, T, micro-batch, V) of this config file, flags given above override it; '' = the flags
 step_schemes = 'preln,attnres,blockattnres,hc,mhc,moda'  # --suite=step: schemes to count (Pre-LN always)
-step_fast = 'cuda'  # --suite=step: fast paths as 'cuda' selects them with Triton and liger-kernel (and each AttnRes scheme again on fla-core's read), 'cuda_fla' (fla-core's read only), 'cuda_torch' (fast/'s torch forms), or 'off'
+step_fast = 'cuda'  # --suite=step: fast paths as 'cuda' selects them with Triton (and each AttnRes scheme again on fla-core's read, HC and mHC on Liger's ops), 'cuda_fla' (fla-core's read only), 'cuda_liger' (Liger's ops only), 'cuda_torch' (fast/'s torch forms), or 'off'
 
 # Time budget per scheme against Pre-LN: HC/mHC (m streams) and (Block) AttnRes (depth
 # attention over all earlier sublayers) have flat bounds; every other scheme, MoDA included,
@@ -752,8 +752,8 @@ def step_suite(o, c):
     unknown = [s for s in names if s not in RESIDUALS]
     if unknown:
         raise ValueError(f"unknown scheme(s) {', '.join(unknown)} in step_schemes; registered: {', '.join(RESIDUALS)}")
-    if o.step_fast not in ('cuda', 'cuda_fla', 'cuda_torch', 'off'):
-        raise ValueError(f"step_fast={o.step_fast!r}: use 'cuda', 'cuda_fla', 'cuda_torch' or 'off'")
+    if o.step_fast not in ('cuda', 'cuda_fla', 'cuda_liger', 'cuda_torch', 'off'):
+        raise ValueError(f"step_fast={o.step_fast!r}: use 'cuda', 'cuda_fla', 'cuda_liger', 'cuda_torch' or 'off'")
     cfg_kw = dict(shape, hc_streams=o.hc_streams, attnres_blocks=o.attnres_blocks)
     GPTConfig(**cfg_kw)  # validates the shape
     print(f"bench --suite=step: L={shape['n_layer']} d={shape['n_embd']} heads={shape['n_head']} micro-batch "
@@ -777,6 +777,10 @@ def step_suite(o, c):
             (ms, r, _, _), (ms_fla, r_fla, _, _) = h200[s], h200[s + step.FLA]
             print(f"  {s}: the grouped read's step {ms:.0f} ms ({r:.2f}x Pre-LN) against {ms_fla:.0f} ms "
                   f"({r_fla:.2f}x) on fla-core's per-read kernel, H200, estimated: {ms_fla - ms:.0f} ms less")
+        if s + step.LIGER in counts:
+            (ms, r, _, _), (ms_lg, r_lg, _, _) = h200[s], h200[s + step.LIGER]
+            print(f"  {s}: the fused stream steps' step {ms:.0f} ms ({r:.2f}x Pre-LN) against {ms_lg:.0f} ms "
+                  f"({r_lg:.2f}x) on Liger's mHC ops, H200, estimated: {ms_lg - ms:.0f} ms less")
     if o.out:
         write_json(o.out, dict(suite='step', config=c, shape=shape, batch=batch, counts=step.summary(counts),
                                table=table, environment=environment(torch.device('cpu'))))

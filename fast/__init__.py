@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import residuals
-from fast import attnres, depth_read, hc, moda, streams
+from fast import attnres, depth_read, moda, streams
 from model import GPT
 
 
@@ -81,18 +81,29 @@ FAST_PATHS = [
              'grouped depth read (torch)', applies=full_attnres),
     FastPath('blockattnres_group_torch', residuals.BlockAttnRes, 'read_at', depth_read.read_at(depth_read.TorchOps),
              'grouped depth read (torch)', output=2),
+    FastPath('hc_streams_triton', residuals.HC, 'block', streams.block(streams.TritonOps),
+             'fused stream steps (Triton)', cuda_only=True, package='triton'),
+    FastPath('mhc_streams_triton', residuals.MHC, 'block', streams.block(streams.TritonOps),
+             'fused stream steps (Triton)', cuda_only=True, package='triton'),
+    FastPath('hc_streams_torch', residuals.HC, 'block', streams.block(streams.TorchOps), 'fused stream steps (torch)'),
+    FastPath('mhc_streams_torch', residuals.MHC, 'block', streams.block(streams.TorchOps), 'fused stream steps (torch)'),
+    FastPath('moda_cache_triton', residuals.MoDA, 'block', moda.block(moda.TritonOps), 'depth cache (Triton)',
+             cuda_only=True, package='triton'),
+    FastPath('moda_cache_torch', residuals.MoDA, 'block', moda.block(moda.TorchOps), 'depth cache (torch)'),
+]
+
+
+# Liger's mHC ops (liger-kernel, the study's default mHC backend): the published kernels the fused
+# stream steps are measured against (tools/gpu_check.py, `bench.py --suite=step`), not selected by
+# `select`: they read the streams once per piece (coefficients, read, write) and autograd sums the
+# streams' gradient over those uses, where the steps read them once each way (fast/streams.py).
+LIGER_PATHS = [
     FastPath('mhc_coeffs_liger', residuals.MHC, 'coefficients', streams.liger_coefficients, 'liger_mhc_coeffs',
              cuda_only=True, package='liger_kernel', applies=lambda cfg: cfg.mhc_sinkhorn == 'liger'),
-    FastPath('mhc_coeffs_torch', residuals.MHC, 'coefficients', streams.torch_mhc_coefficients,
-             'SinkhornRounds (torch)'),
-    FastPath('hc_coeffs_torch', residuals.HC, 'coefficients', hc.torch_hc_coefficients, 'HCProjection (torch)'),
     FastPath('streams_read_liger', residuals.MultiStream, 'read_streams', streams.liger_read, 'liger_mhc_pre',
              cuda_only=True, package='liger_kernel'),
     FastPath('streams_write_liger', residuals.MultiStream, 'write_streams', streams.liger_write,
              'liger_mhc_post_res', cuda_only=True, package='liger_kernel'),
-    FastPath('streams_write_torch', residuals.MultiStream, 'write_streams', streams.torch_write,
-             'batched matmul-add (torch)'),
-    FastPath('moda_sdpa', residuals.MoDA, 'attention', moda.sdpa_attention, 'null key on SDPA'),
 ]
 
 
@@ -144,7 +155,7 @@ def enable(model, paths):
 
 
 def disable(model):
-    for p in FAST_PATHS:
+    for p in FAST_PATHS + LIGER_PATHS + [FLA_READ]:
         model.residual.__dict__.pop(p.method, None)
 
 
@@ -317,10 +328,10 @@ def _calls(twin, method, idx, dtype):
 
 def _replay(fn, res, args, on, dtype, to=None, modules=None, output=0):
     """fn(res, *args) under `dtype` autocast (if `on`) on fresh leaves of args (float tensors cast
-    to `to`; submodules of the twin's scheme mapped through `modules`), gradient of a fixed random
+    to `to`; submodules of the twin mapped through `modules`), gradient of a fixed random
     weighting of its output number `output` (what training reads) -> (its float tensor outputs,
-    gradients of the tensor inputs and of res's parameters (None: unused), normalisers run in
-    low precision)."""
+    gradients of the tensor inputs, of res's parameters and of a module argument's (a block-level
+    path's backbone block; None: unused), normalisers run in low precision)."""
     leaves = []
 
     def leaf(a):
@@ -331,7 +342,8 @@ def _replay(fn, res, args, on, dtype, to=None, modules=None, output=0):
             return type(a)(leaf(b) for b in a)
         return modules.get(id(a), a) if modules and isinstance(a, torch.nn.Module) else a
     args = [leaf(a) for a in args]
-    params = list(res.parameters())
+    # the scheme's parameters and those of a backbone block handed to the method (a block-level path)
+    params = list(res.parameters()) + [q for a in args if isinstance(a, torch.nn.Module) for q in a.parameters()]
     with LowPrecisionOps() as ops:
         with torch.autocast(leaves[0].device.type, dtype=dtype, enabled=on):
             out = fn(res, *args)
@@ -343,6 +355,26 @@ def _replay(fn, res, args, on, dtype, to=None, modules=None, output=0):
     return [o.detach() for o in floats], list(grads), ops.ops
 
 
+NUDGES = 4  # samples of the plain method's rounding on moved inputs, besides the one on the inputs
+
+
+def _nudged(args, seed, dtype=None):
+    """args with every float tensor t moved to t (1 +- 2^-8) (a random sign per entry drawn from
+    `seed`: about one ulp of bf16, so that a low-precision rounding of it falls elsewhere), rounded
+    to `dtype` if given."""
+    g = torch.Generator().manual_seed(seed)
+
+    def move(a):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            sign = (torch.randint(0, 2, a.shape, generator=g) * 2 - 1).to(device=a.device, dtype=torch.float64)
+            t = (a.double() * (1 + sign * 2.0 ** -8)).to(a.dtype)
+            return t if dtype is None else t.to(dtype)
+        if isinstance(a, (list, tuple)):
+            return type(a)(move(b) for b in a)
+        return a
+    return [move(a) for a in args]
+
+
 def check_autocast(model, paths, device, dtype):
     """Each fast path against its plain method under the run's autocast `dtype`, on the inputs
     the start-up twin (fp32 weights, `dtype` autocast) hands the plain method: every output and
@@ -352,13 +384,18 @@ def check_autocast(model, paths, device, dtype):
     path that rounds where the plain code does not is refused: FastPathMismatch. A path
     declared `in_run_dtype` (fla's kernel: one dtype for all sources and its output) is given
     the plain method's inputs and outputs rounded to `dtype` and one ulp of `dtype` beside the
-    3x (its fp32 exactness is the fp32 twin's to check)."""
+    3x (its fp32 exactness is the fp32 twin's to check). The plain method's distance is the largest
+    of 1 + NUDGES samples of its rounding: on the inputs, and on the inputs moved by about one ulp of
+    `dtype` (`_nudged`), each against its own fp64 reference: a gradient small by cancellation (a
+    gate's, summed over every token) carries a rounding noise that one sample can underrate ten
+    times, and a fast path that rounds as finely, only elsewhere, would be refused on it."""
     device = torch.device(device)
     twin = GPT(twin_config(model.config)).to(device=device, dtype=torch.float32)
     randomise(twin)
     res = twin.residual
-    ref = copy.deepcopy(res).to(torch.float64)
-    modules = {id(m): ref.get_submodule(n) for n, m in res.named_modules()}
+    whole = copy.deepcopy(twin).to(torch.float64)  # the twin's scheme and backbone blocks in fp64
+    ref = whole.residual
+    modules = {id(m): whole.get_submodule(n) for n, m in twin.named_modules()}
     idx = torch.randint(0, twin.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
     low = str(dtype).removeprefix('torch.')
     for p in paths:
@@ -374,25 +411,36 @@ def check_autocast(model, paths, device, dtype):
             if p.in_run_dtype:  # and the plain method's outputs are rounded as the fast path's are
                 base_out = [o.to(dtype).to(o.dtype) for o in base_out]
             have_out, have_grads, have_ops = _replay(p.impl, res, args, on, dtype, output=p.output)
+            samples = []  # (outputs, gradients) of the plain method and of fp64 on moved inputs
+            for seed in range(NUDGES):
+                moved = _nudged(args, seed, dtype if p.in_run_dtype else None)
+                w_out, w_grads, _ = _replay(plain, ref, moved, False, dtype, torch.float64, modules, p.output)
+                b_out, b_grads, _ = _replay(plain, res, moved, on, dtype, output=p.output)
+                if p.in_run_dtype:
+                    b_out = [o.to(dtype).to(o.dtype) for o in b_out]
+                samples.append((w_out + w_grads, b_out + b_grads))
             extra = sorted(have_ops - base_ops)
             if extra:
                 raise FastPathMismatch(f"{where}: runs {', '.join(extra)} in {low} where the plain method does not; "
                                        f"run with --fast=False or --dtype=float32")
-            named = [(f"output {i}", t) for i, t in enumerate(zip(want_out, base_out, have_out))] + \
-                    [(f"gradient {i}", t) for i, t in enumerate(zip(want_grads, base_grads, have_grads))]
-            for name, (want, base, have) in named:
+            names = [f"output {i}" for i in range(len(want_out))] + [f"gradient {i}" for i in range(len(want_grads))]
+            for k, (name, want, base, have) in enumerate(zip(names, want_out + want_grads, base_out + base_grads,
+                                                             have_out + have_grads)):
                 if (base is None) != (have is None):
                     raise FastPathMismatch(f"{where}: {name} is computed by one form only; run with --fast=False")
                 if want is None or base is None:
                     continue
                 want = want.double()
-                e = sums.setdefault(name, [0.0, 0.0, 0.0])
+                e = sums.setdefault(name, [0.0, 0.0] + [[0.0, 0.0] for _ in range(1 + NUDGES)])
                 e[0] += (have.double() - want).square().sum().item()
-                e[1] += (base.double() - want).square().sum().item()
-                e[2] += want.square().sum().item()
+                e[1] += want.square().sum().item()
+                for (w, b), acc in zip([(want, base)] + [(w[k].double(), b[k]) for w, b in samples], e[2:]):
+                    acc[0] += (b.double() - w).square().sum().item()
+                    acc[1] += w.square().sum().item()
         floor = torch.finfo(dtype).eps if p.in_run_dtype else AUTOCAST_FLOOR
-        for name, (e_fast, e_plain, norm) in sums.items():
-            fast_err, plain_err = (e_fast / max(norm, 1e-300)) ** 0.5, (e_plain / max(norm, 1e-300)) ** 0.5
+        for name, (e_fast, norm, *plains) in sums.items():
+            fast_err = (e_fast / max(norm, 1e-300)) ** 0.5
+            plain_err = max((e / max(n, 1e-300)) ** 0.5 for e, n in plains)
             if not fast_err <= AUTOCAST_FACTOR * plain_err + floor:
                 raise FastPathMismatch(
                     f"{where}: {name} is {fast_err:.1e} from fp64 where the plain method is {plain_err:.1e} "
@@ -431,6 +479,8 @@ CHECKED_CODE = {
     'MHC.sinkhorn_rounds': '8b3588bc5fa7', 'sinkhorn_rounds': '8b3588bc5fa7', 'sinkhorn_round': '0c8a96a9f001',
     'HC.coefficients': '0eb74f874b89', 'MultiStream.read_streams': 'c5ffc4ba25bf',
     'MultiStream.write_streams': '77d316b0ddba', 'MoDA.attention': 'd0d664ed1a75',
+    'MultiStream.block': 'f56dedabd706', 'MultiStream.sublayer': '407cc669e821', 'MoDA.block': '0931b3e42f35',
+    'put_slot': '1a7252383f43',
 }
 
 

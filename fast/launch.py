@@ -47,15 +47,20 @@ def tensors(args, names):
     return out
 
 
-def launch(module, kernel, grid, reads, writes, also_read=(), flops=0, num_warps=4, num_stages=1, **args):
+def launch(module, kernel, grid, reads, writes, also_read=(), reread=(), flops=0, num_warps=4, num_stages=1,
+           **args):
     """Runs kernel `kernel` of `module` on `grid` (a tuple) with `args`, or records it (module
     docstring). also_read: tensors among the written ones that the kernel also reads (it adds
-    into them). flops: the kernel's floating-point operations (for the step count). Every name in
-    reads/writes must be an argument (an assert: the count must see what the kernel touches)."""
-    assert all(n in args for n in (*reads, *writes)), f"{kernel}: reads/writes name an argument it is not given"
+    into them). reread: names of arguments the kernel reads a second time (a second pass over
+    them), charged again. flops: the kernel's floating-point operations (for the step count).
+    Every name in reads/writes/reread must be an argument (an assert: the count must see what the
+    kernel touches)."""
+    assert all(n in args for n in (*reads, *writes, *reread)), \
+        f"{kernel}: reads/writes name an argument it is not given"
     if _RECORDERS:
+        again = [t.detach() for t in tensors(args, reread)]  # other objects: not merged with the first read
         for r in _RECORDERS:
-            r.record(f"{module.rpartition('.')[2]}.{kernel}", tensors(args, reads) + list(also_read),
+            r.record(f"{module.rpartition('.')[2]}.{kernel}", tensors(args, reads) + list(also_read) + again,
                      tensors(args, writes), flops)
             if r.seen is not None:
                 r.seen(module, kernel, args, dict(num_warps=num_warps, num_stages=num_stages))

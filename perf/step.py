@@ -434,14 +434,18 @@ def kernel_stand_ins():
                 sys.modules[n] = m
 
 
-def cuda_paths(model, kernels=True, fla=False):
+def cuda_paths(model, kernels=True, fla=False, liger=False):
     """The fast paths fast.select picks on CUDA: with kernels=True as if Triton, fla-core and
     liger-kernel were installed, else the torch forms (a CUDA run without them); fla=True puts
-    fla-core's per-read kernel (fast.FLA_READ) in place of the grouped AttnRes read, the
-    published kernel it is measured against."""
+    fla-core's per-read kernel (fast.FLA_READ) in place of the grouped AttnRes read, liger=True
+    Liger's mHC ops (fast.LIGER_PATHS) in place of the fused stream steps of HC and mHC: the
+    published kernels they are measured against."""
     res, chosen = model.residual, {}
     if fla and isinstance(res, fast.FLA_READ.scheme):
         chosen = {'read': fast.FLA_READ, 'read_at': None}
+    if liger and isinstance(res, fast.LIGER_PATHS[1].scheme):  # MultiStream: HC and mHC
+        chosen = {p.method: p for p in fast.LIGER_PATHS if isinstance(res, p.scheme) and p.applies(model.config)}
+        chosen['block'] = None
     for p in fast.FAST_PATHS:
         if isinstance(res, p.scheme) and p.method not in chosen and p.applies(model.config) \
                 and (kernels or p.package is None):
@@ -457,20 +461,21 @@ def count_step(cfg, batch, seq_len, fast_paths='cuda', dtype=torch.bfloat16, cud
     """One training micro-step of GPT(cfg) on (batch, seq_len) tokens under fake tensors:
     forward under `dtype` autocast (None: none), loss, backward, every parameter's gradient
     already allocated (accumulated in place, as on every micro-step after the first).
-    fast_paths: 'cuda' (fast/'s Triton launches recorded, liger's stand-ins), 'cuda_fla' (the same
-    with fla-core's per-read AttnRes kernel in place of the grouped read), 'cuda_torch' (fast/'s
+    fast_paths: 'cuda' (fast/'s Triton launches recorded), 'cuda_fla' (the same with fla-core's
+    per-read AttnRes kernel in place of the grouped read), 'cuda_liger' (the same with Liger's mHC
+    ops, as stand-ins, in place of HC's and mHC's fused stream steps), 'cuda_torch' (fast/'s
     torch forms) or 'off'.
     cuda_forms: F.rms_norm as CUDA's fused kernel. Returns dict(kernels, bytes, flops,
     saved (bytes), ops [(flops, bytes)], by_op {name: [kernels, bytes, flops]}, paths,
     params, model_flops (model.flops_per_token x tokens)). Raises ValueError for a bad
     fast_paths."""
-    if fast_paths not in ('cuda', 'cuda_fla', 'cuda_torch', 'off'):
-        raise ValueError(f"fast_paths={fast_paths!r}: use 'cuda', 'cuda_fla', 'cuda_torch' or 'off'")
+    if fast_paths not in ('cuda', 'cuda_fla', 'cuda_liger', 'cuda_torch', 'off'):
+        raise ValueError(f"fast_paths={fast_paths!r}: use 'cuda', 'cuda_fla', 'cuda_liger', 'cuda_torch' or 'off'")
     cfg = GPTConfig(**{**vars(cfg), 'block_size': max(cfg.block_size, seq_len)})
     with torch.device('meta'):
         model = GPT(cfg)
     paths = [] if fast_paths == 'off' else cuda_paths(model, kernels=fast_paths != 'cuda_torch',
-                                                      fla=fast_paths == 'cuda_fla')
+                                                      fla=fast_paths == 'cuda_fla', liger=fast_paths == 'cuda_liger')
     counter = StepCount()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device='cpu')
@@ -553,18 +558,21 @@ def top_ops(count, base=None, n=8):
 
 
 FLA = ' (fla)'  # the suffix of a row counted with fla-core's AttnRes read (fast_paths 'cuda_fla')
+LIGER = ' (liger)'  # the suffix of a row counted with Liger's mHC ops (fast_paths 'cuda_liger')
 
 
 def run(schemes, cfg_kw, batch, seq_len, fast_paths='cuda', log=print, compare_fla=True):
     """count_step for Pre-LN and every scheme (a progress bar over them); with fast_paths 'cuda'
-    and compare_fla, each AttnRes scheme also as '<scheme> (fla)', on fla-core's per-read kernel.
-    Returns {row: count}."""
+    and compare_fla, each AttnRes scheme also as '<scheme> (fla)', on fla-core's per-read kernel,
+    and HC and mHC as '<scheme> (liger)', on Liger's mHC ops. Returns {row: count}."""
     from tqdm import tqdm
     names = ['preln'] + [s for s in dict.fromkeys(schemes) if s != 'preln']
     rows = [(s, s, fast_paths) for s in names]
     if compare_fla and fast_paths == 'cuda':
         rows += [(s + FLA, s, 'cuda_fla') for s in names
                  if issubclass(RESIDUALS[s], fast.FLA_READ.scheme)]
+        rows += [(s + LIGER, s, 'cuda_liger') for s in names
+                 if issubclass(RESIDUALS[s], fast.LIGER_PATHS[1].scheme)]
     counts = {}
     bar = tqdm(rows, desc='step', unit='count', file=sys.stderr, disable=None)
     for row, s, paths in bar:

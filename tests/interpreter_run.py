@@ -200,6 +200,68 @@ def case_depth(scheme, G, dtype, chain=False, weighted=False, big=False):
             [(err(h, w), err(b, w)) for h, b, w in zip(have_g, base_g, want_g) if w is not None])
 
 
+def case_streams(scheme, dtype, m=4, programs=3, **kw):
+    """The fused stream steps of HC / mHC on their Triton kernels (fast.streams.TritonOps) and the
+    plain MultiStream.block, each against the plain model in fp64 on the same weights and tokens:
+    a 3-block model (the first sublayer's own read, steps that plan the next block's read, the
+    last block's write alone, the MLP step recomputing its input), d = 24 (a block of 32 lanes,
+    8 masked), m streams (3: a block of 4 streams, one masked), N = 10 tokens (HC's backward over
+    `programs` programs: a remainder; mHC's blocks of 16 tokens: one partial), fp32 or under bf16
+    autocast. Returns ([(fast, plain) error of the loss], [... of each parameter's gradient]), each
+    as the start-up guard measures it (`_whole_model`)."""
+    from fast import streams as st
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=24, n_head=4, residual=scheme, hc_streams=m, **kw)
+    saved, st.TritonOps.PROGRAMS = st.TritonOps.PROGRAMS, programs
+    try:
+        return _whole_model(cfg, lambda res: st.block(st.TritonOps).__get__(res), dtype)
+    finally:
+        st.TritonOps.PROGRAMS = saved
+
+
+def case_moda(dtype, n_kv_head=4):
+    """MoDA's block on the depth cache with its Triton kernels (fast.moda.TritonOps) and the plain
+    MoDA.block, each against the plain model in fp64 on the same weights and tokens: a 4-block
+    model (blocks reading 0, 2, 4 and 6 depth slots; the writes of 1 and 2 slots), T = 5 tokens
+    (one block of 64, masked), head_dim 6 (a block of 16 lanes, 10 masked), MHA or GQA (4 query
+    heads on `n_kv_head`), fp32 or under bf16 autocast. Returns as `case_streams`."""
+    from fast import moda
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_embd=24, n_head=4, n_kv_head=n_kv_head,
+                    residual='moda')
+    return _whole_model(cfg, lambda res: moda.block(moda.TritonOps).__get__(res), dtype)
+
+
+def _whole_model(cfg, fast_block, dtype):
+    """([(fast, plain) error of the loss], [... of each parameter's gradient]) of a training step of
+    GPT(cfg) with its scheme's block replaced by `fast_block(res)` and plain, against fp64."""
+    model = GPT(cfg)
+    fast.randomise(model)
+    ref = copy.deepcopy(model).double()
+    idx = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(3))
+
+    def run(mdl, fused, bf16):
+        if fused:
+            mdl.residual.block = fast_block(mdl.residual)
+        mdl.zero_grad(set_to_none=True)
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
+            _, loss = mdl(idx, idx)
+        loss.backward()
+        mdl.residual.__dict__.pop('block', None)
+        return [loss.detach()], [p.grad for p in mdl.parameters()]
+    want_o, want_g = run(ref, False, False)
+    base_o, base_g = run(model, False, dtype == 'bf16')
+    have_o, have_g = run(model, True, dtype == 'bf16')
+    # the start-up guard's measure: the largest error relative to the tensor's largest entry, floored
+    # at 1e-3 of the largest gradient entry of all (a gate's gradient small by cancellation carries
+    # the rounding of its larger terms)
+    floor = 1e-3 * max(w.abs().max().item() for w in want_g if w is not None)
+
+    def err(have, want):
+        return ((have.double() - want).abs().max() / max(want.abs().max().item(), floor)).item()
+    assert [g is None for g in have_g] == [g is None for g in base_g]
+    return ([(err(h, w), err(b, w)) for h, b, w in zip(have_o, base_o, want_o)],
+            [(err(h, w), err(b, w)) for h, b, w in zip(have_g, base_g, want_g) if w is not None])
+
+
 def case_guard_depth():
     """The start-up guard given the Triton paths of the grouped read under the interpreter: the
     fp32 twin (as on CUDA: 2e-3) and bf16 autocast; None where accepted, else the refusal."""
@@ -220,7 +282,7 @@ def case_guard_bf16():
     its scheme's twin: {scheme/path: None if accepted, else the refusal}; and fla's path without
     its declared rounding (in_run_dtype), which the guard must refuse."""
     out = {}
-    kernels = {p.name: p for p in fast.FAST_PATHS + [fast.FLA_READ] if p.cuda_only}
+    kernels = {p.name: p for p in fast.FAST_PATHS + fast.LIGER_PATHS + [fast.FLA_READ] if p.cuda_only}
     plan = [('attnres', 'attnres_read_fla'), ('blockattnres', 'attnres_read_fla'), ('mhc', 'streams_read_liger'),
             ('mhc', 'streams_write_liger'), ('attnres', 'undeclared')]  # liger_mhc_coeffs: fp32, and slow here
     for residual, name in plan:
@@ -234,6 +296,68 @@ def case_guard_bf16():
     return out, []
 
 
+def case_guard_fused(*schemes):
+    """The start-up guard given the Triton paths of the fused stream steps and of MoDA's depth cache
+    under the interpreter: the fp32 twin (as on CUDA: 2e-3) and bf16 autocast; None where accepted,
+    else the refusal."""
+    out = {}
+    for residual in schemes:
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=D, n_head=4, n_kv_head=2,
+                              residual=residual, mhc_sinkhorn_iters=4))  # 4 rounds: the interpreter's time
+        paths = [p for p in fast.FAST_PATHS if p.cuda_only and isinstance(model.residual, p.scheme)]
+        try:
+            fast.check(model, paths, 'cpu', torch.bfloat16, twin_dtype=torch.float32)
+            out[residual] = None
+        except fast.FastPathMismatch as e:
+            out[residual] = str(e)
+    return out, []
+
+
+# planted errors in the kernels: (module, the source it holds, what is planted in its place, the
+# scheme whose guard must refuse it, the comparison that must fail)
+PLANTS = {
+    # the read's share of the streams' gradient (A_m (x) dx) dropped: one of the streams' uses
+    'stream_gradient_missing_a_use': ('fast.stream_kernels', "            G += a_m[:, None] * dxv[None, :]\n", "",
+                                      'hc', lambda: case_streams('hc', 'fp32')),
+    # every Sinkhorn normalisation rounded to bf16, forward and in the backward's recomputation
+    'sinkhorn_rounds_in_bf16': ('fast.stream_kernels', "    return tl.where(vm, P / s, 0.0), s\n",
+                                "    return tl.where(vm, (P / s).to(tl.bfloat16).to(tl.float32), 0.0), s\n",
+                                'mhc', lambda: case_streams('mhc', 'fp32', mhc_sinkhorn_iters=5)),
+    # the depth read's values one slot late (slot S, the block's own, is read and slot 0 is not)
+    'depth_cache_slot_off_by_one': ('fast.moda_kernels',
+                                    "        V = _slot(Vc, b, kh, ts, j, Hkv, T, NS, hd, dims, m2)\n"
+                                    "        s = tl.sum(q3 * K[None, :, :], axis=2) * scale\n",
+                                    "        V = _slot(Vc, b, kh, ts, j + 1, Hkv, T, NS, hd, dims, m2)\n"
+                                    "        s = tl.sum(q3 * K[None, :, :], axis=2) * scale\n",
+                                    'moda', lambda: case_moda('fp32')),
+}
+
+
+def case_planted(name):
+    """Plant PLANTS[name] in its kernel module (the module's source with one line changed, run in
+    its place), then: the guard's verdict on the scheme's Triton path (None: accepted, else the
+    refusal) and the comparison case's rows (which the suite holds to the same rule as unplanted)."""
+    import importlib
+    import linecache
+    import types
+    module, old, new, scheme, compare = PLANTS[name]
+    real = importlib.import_module(module)
+    src = open(real.__file__).read()
+    assert src.count(old) == 1, f"{name}: the planted line is not in {module} once"
+    planted = types.ModuleType(module)
+    text = src.replace(old, new)
+    name_ = f"{real.__file__} (planted {name})"  # the interpreter reads a kernel's source through linecache
+    linecache.cache[name_] = (len(text), None, text.splitlines(keepends=True), name_)
+    exec(compile(text, name_, 'exec'), planted.__dict__)
+    sys.modules[module] = planted
+    try:
+        verdict = case_guard_fused(scheme)[0][scheme]
+        outputs, grads = compare()
+    finally:
+        sys.modules[module] = real
+    return dict(verdict=verdict, outputs=outputs, grads=grads), []
+
+
 CASES = {'fla_read': case_fla_read, 'fla_read_2': lambda: case_fla_read(2), 'liger_coefficients': case_liger_coefficients,
          'liger_read': case_liger_read, 'liger_write': case_liger_write, 'guard_bf16': case_guard_bf16,
          'guard_depth': case_guard_depth}
@@ -243,6 +367,22 @@ for _scheme in ('attnres', 'blockattnres'):  # the grouped read's kernels: group
             CASES[f'depth_{_scheme}_G{_G}_{_dtype}'] = lambda a=_scheme, b=_G, c=_dtype: case_depth(a, b, c)
     CASES[f'depth_{_scheme}_G8_chain'] = lambda a=_scheme: case_depth(a, 8, 'fp32', chain=True)
     CASES[f'depth_{_scheme}_G3_big'] = lambda a=_scheme: case_depth(a, 3, 'fp32', chain=True, big=True)
+# the fused stream steps' kernels (mHC's Sinkhorn in 5 rounds but in one case: the interpreter runs
+# the backward's recomputation, rounds^2 / 2 of them, in numpy)
+CASES['streams_hc_fp32'] = lambda: case_streams('hc', 'fp32')
+CASES['streams_hc_bf16'] = lambda: case_streams('hc', 'bf16')
+CASES['streams_hc_m3'] = lambda: case_streams('hc', 'fp32', m=3)
+CASES['streams_mhc_fp32'] = lambda: case_streams('mhc', 'fp32')
+CASES['streams_mhc_bf16'] = lambda: case_streams('mhc', 'bf16', mhc_sinkhorn_iters=5)
+CASES['streams_mhc_m3'] = lambda: case_streams('mhc', 'fp32', m=3, mhc_sinkhorn_iters=5)
+for _dtype in ('fp32', 'bf16'):  # MoDA's depth cache kernels, MHA and GQA
+    CASES[f'moda_{_dtype}'] = lambda b=_dtype: case_moda(b)
+    CASES[f'moda_gqa_{_dtype}'] = lambda b=_dtype: case_moda(b, n_kv_head=2)
+CASES['streams_mhc_plain'] = lambda: case_streams('mhc', 'fp32', mhc_sinkhorn='plain', mhc_sinkhorn_iters=5)
+CASES['guard_streams'] = lambda: case_guard_fused('hc', 'mhc')
+CASES['guard_moda'] = lambda: case_guard_fused('moda')
+for _name in PLANTS:
+    CASES[f'planted_{_name}'] = lambda a=_name: case_planted(a)
 CASES['depth_attnres_G3_weights'] = lambda: case_depth('attnres', 3, 'fp32', weighted=True)
 
 if __name__ == '__main__':

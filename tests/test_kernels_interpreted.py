@@ -115,3 +115,54 @@ def test_kernels_match_the_plain_methods():
         for kind in ('outputs', 'grads'):
             for i, e in enumerate(row[kind]):
                 assert e <= TOL, f"{case} {kind} {i}: relative error {e:.1e}"
+
+
+# The fused stream steps of HC and mHC (fast/stream_kernels.py) and MoDA's depth cache kernels
+# (fast/moda_kernels.py), each over a whole tiny model: the loss and every parameter's gradient
+STREAMS = {'hc': ['streams_hc_fp32', 'streams_hc_bf16', 'streams_hc_m3'],
+           'mhc': ['streams_mhc_fp32', 'streams_mhc_bf16', 'streams_mhc_m3', 'streams_mhc_plain'],
+           'moda': ['moda_fp32', 'moda_bf16', 'moda_gqa_fp32', 'moda_gqa_bf16']}
+
+
+def within_rule(row):
+    """Whether every output and gradient of a whole-model case is within 3x the plain code's own
+    distance to fp64 (+ 1e-5), the start-up guard's rule."""
+    return all(fast <= AUTOCAST_FACTOR * plain + AUTOCAST_FLOOR for fast, plain in row['outputs'] + row['grads'])
+
+
+@pytest.mark.parametrize('scheme', list(STREAMS))
+def test_fused_kernels_match_the_plain_block(scheme):
+    """The kernels in place of MultiStream.block (HC, mHC) and MoDA.block, forward and every gradient
+    (each parameter's, so the streams' and the slots' through them) within 3x the plain block's own
+    distance to fp64 (+ 1e-5): fp32 and bf16 autocast; d = 24 and head_dim 6 (blocks of 32 and 16
+    lanes: masked), N = 10 tokens (HC's backward programs over a remainder, mHC's blocks of 64 and
+    MoDA's of 64 tokens: partial), m = 3 streams (one of 4 lanes masked), mHC's both Sinkhorn orders,
+    MoDA with GQA; a 3-block model (mHC, HC: the first read, the steps that plan the next block's read,
+    the last write alone), a 4-block one (MoDA: 0 to 6 depth slots read, the writes of 1 and 2 slots)."""
+    rows = interpret(*STREAMS[scheme])
+    for case, row in rows.items():
+        assert len(row['outputs']) == 1 and len(row['grads']) > 20, case
+        for kind in ('outputs', 'grads'):
+            for i, (fast, plain) in enumerate(row[kind]):
+                assert fast <= AUTOCAST_FACTOR * plain + AUTOCAST_FLOOR, \
+                    f"{case} {kind} {i}: {fast:.1e} from fp64 where the plain block is {plain:.1e}"
+
+
+@pytest.mark.parametrize('case,schemes', [('guard_streams', ('hc', 'mhc')), ('guard_moda', ('moda',))])
+def test_the_guard_passes_the_fused_kernels(case, schemes):
+    """fast.check on the Triton paths of HC, mHC and MoDA under the interpreter: the fp32 twin
+    (CUDA's 2e-3) and the twin under bf16 autocast accept them as they are."""
+    assert interpret(case)[case]['outputs'] == {s: None for s in schemes}
+
+
+@pytest.mark.parametrize('plant', ['stream_gradient_missing_a_use', 'sinkhorn_rounds_in_bf16',
+                                   'depth_cache_slot_off_by_one'])
+def test_a_planted_kernel_error_is_refused_and_fails(plant):
+    """One line of a kernel changed (the read's share of the streams' gradient dropped; each Sinkhorn
+    normalisation rounded to bf16; MoDA's depth values read one slot late): the start-up guard
+    refuses the path in one line naming it, and the comparison against the plain block fails."""
+    row = interpret(f'planted_{plant}')[f'planted_{plant}']['outputs']
+    name = {'stream_gradient_missing_a_use': 'hc_streams_triton', 'sinkhorn_rounds_in_bf16': 'mhc_streams_triton',
+            'depth_cache_slot_off_by_one': 'moda_cache_triton'}[plant]
+    assert row['verdict'] is not None and name in row['verdict'] and '\n' not in row['verdict']
+    assert not within_rule(row)

@@ -82,7 +82,7 @@ def test_kernel_stand_in_flops_equal_cost_extra_flops(scheme):
     extra forward FLOPs (fla's per-read kernel too)."""
     B, T = 2, 16
     cfg = tiny(scheme, attnres_blocks=2)
-    c = step.count_step(cfg, B, T, fast_paths='cuda')
+    c = step.count_step(cfg, B, T, fast_paths='cuda_liger' if scheme == 'mhc' else 'cuda')
     base = step.count_step(tiny('preln'), B, T, fast_paths='cuda')
     extra = cost.extra_flops(scheme, cfg.n_layer, cfg.n_embd, T, n_head=cfg.n_head, attnres_blocks=2,
                              appendix_d=False)
@@ -92,6 +92,23 @@ def test_kernel_stand_in_flops_equal_cost_extra_flops(scheme):
     if scheme != 'mhc':
         fla = step.count_step(cfg, B, T, fast_paths='cuda_fla')
         assert fla['flops'] - base['flops'] == 3 * B * extra and fla['paths'] == ['attnres_read_fla']
+
+
+@pytest.mark.parametrize('scheme', ['hc', 'mhc', 'moda'])
+def test_the_fused_kernels_declare_the_work_they_do(scheme):
+    """HC's and mHC's stream steps and MoDA's depth kernels, as counted on CUDA: at least 3x cost.py's
+    extra forward FLOPs (forward and backward of the same matrix work) and at most 4.5x (what they
+    recompute instead of keeping: the writes of the streams, the depth scores); every launch of
+    fast/'s kernels declares its FLOPs."""
+    B, T = 2, 16
+    cfg = tiny(scheme)
+    c = step.count_step(cfg, B, T, fast_paths='cuda')
+    base = step.count_step(tiny('preln'), B, T, fast_paths='cuda')
+    extra = cost.extra_flops(scheme, cfg.n_layer, cfg.n_embd, T, n_head=cfg.n_head, appendix_d=False)
+    assert c['paths'] == [f'{scheme}_streams_triton' if scheme != 'moda' else 'moda_cache_triton']
+    assert 3 * B * extra <= c['flops'] - base['flops'] <= 4.5 * B * extra
+    kernels = {k: v for k, v in c['by_op'].items() if k.startswith(('stream_kernels.', 'moda_kernels.'))}
+    assert kernels and all(v[2] > 0 for v in kernels.values()), kernels
 
 
 def test_fla_stand_in_moves_the_bytes_of_its_kernels():
@@ -131,12 +148,14 @@ def test_bench_step_suite_runs_and_rejects_bad_settings(capsys):
     argv = ['--suite=step', '--step_config=', '--n_layer=2', '--n_embd=32', '--n_head=2', '--block_size=16',
             '--batch_size=2', '--vocab_size=64', '--step_schemes=attnres,hc', '--out=']
     counts = bench.main(argv)
-    assert list(counts) == ['preln', 'attnres', 'hc', 'attnres (fla)']
-    assert counts['hc']['paths'] == ['hc_coeffs_torch', 'streams_read_liger', 'streams_write_liger']
+    assert list(counts) == ['preln', 'attnres', 'hc', 'attnres (fla)', 'hc (liger)']
+    assert counts['hc']['paths'] == ['hc_streams_triton']
     assert counts['attnres (fla)']['paths'] == ['attnres_read_fla']
+    assert counts['hc (liger)']['paths'] == ['streams_read_liger', 'streams_write_liger']
     out = capsys.readouterr().out
     assert 'estimated, CPU fake-tensor count, no GPU measured' in out and '| attnres |' in out
     assert "attnres: the grouped read's step" in out and "on fla-core's per-read kernel, H200, estimated" in out
+    assert "hc: the fused stream steps' step" in out and "on Liger's mHC ops, H200, estimated" in out
     with pytest.raises(SystemExit, match="step_fast='gpu'"):
         bench.main(argv + ['--step_fast=gpu'])
     with pytest.raises(SystemExit, match='unknown scheme'):
