@@ -9,27 +9,33 @@ plain method's own rounding: a student's edit to residuals.py that a fast path w
 or a fast path that rounds where the plain code does not, stops the run at start-up, in one
 line.
 
-| fast path          | replaces (residuals.py)                 | applies            | runs                                  |
-|--------------------|-----------------------------------------|--------------------|---------------------------------------|
-| attnres_read_fla   | AttnRes.read (Full and Block AttnRes)    | CUDA, fla-core     | fla.ops.attnres.fused_attnres         |
-| attnres_read_torch | AttnRes.read                             | no fla-core        | fast/attnres.py DepthRead (hand-written backward) |
-| mhc_coeffs_liger   | MHC.coefficients (projection, Sinkhorn)  | CUDA, liger-kernel, mhc_sinkhorn='liger' | liger_mhc_coeffs |
-| mhc_coeffs_torch   | MHC.coefficients                         | no liger-kernel    | fast/streams.py SinkhornRounds        |
-| hc_coeffs_torch    | HC.coefficients                          | any device         | fast/hc.py HCProjection (no H_bar)    |
-| streams_read_liger | MultiStream.read_streams (HC, mHC)       | CUDA, liger-kernel | liger_mhc_pre                         |
-| streams_write_liger| MultiStream.write_streams (HC, mHC)      | CUDA, liger-kernel | liger_mhc_post_res                    |
-| streams_write_torch| MultiStream.write_streams                | no liger-kernel    | one contiguous batched matmul-add     |
-| moda_sdpa          | MoDA.attention (joint softmax)           | any device         | fast/moda.py: null key on fused SDPA  |
+| fast path                 | replaces (residuals.py)          | applies             | runs                                 |
+|---------------------------|----------------------------------|---------------------|--------------------------------------|
+| attnres_group_triton      | AttnRes.read (Full AttnRes)      | CUDA, triton        | fast/depth_read.py on depth_kernels  |
+| blockattnres_group_triton | BlockAttnRes.read_at             | CUDA, triton        | the same                             |
+| blockattnres_sum_triton   | BlockAttnRes.block (P + f, read) | CUDA, triton        | the same, the running sum fused      |
+| attnres_group_torch       | AttnRes.read                     | any device          | fast/depth_read.py TorchOps          |
+| blockattnres_group_torch  | BlockAttnRes.read_at             | any device          | the same                             |
+| blockattnres_sum_torch    | BlockAttnRes.block               | any device          | the same                             |
+| mhc_coeffs_liger          | MHC.coefficients (projection,    | CUDA, liger-kernel, | liger_mhc_coeffs                     |
+|                           | Sinkhorn)                        | mhc_sinkhorn=liger  |                                      |
+| mhc_coeffs_torch          | MHC.coefficients                 | no liger-kernel     | fast/streams.py SinkhornRounds       |
+| hc_coeffs_torch           | HC.coefficients                  | any device          | fast/hc.py HCProjection (no H_bar)   |
+| streams_read_liger        | MultiStream.read_streams         | CUDA, liger-kernel  | liger_mhc_pre                        |
+| streams_write_liger       | MultiStream.write_streams        | CUDA, liger-kernel  | liger_mhc_post_res                   |
+| streams_write_torch       | MultiStream.write_streams        | no liger-kernel     | one contiguous batched matmul-add    |
+| moda_sdpa                 | MoDA.attention (joint softmax)   | any device          | fast/moda.py: null key on fused SDPA |
 
-Where both forms of a piece apply, the first listed wins. Without fla-core or liger-kernel a
-CUDA run uses the torch forms of the same rows. Measured (fast / plain step time, same
-process, interleaved; `python bench.py --suite=fast`; docs/performance.md has the table with
-its machine): on a 2-core CPU, eager, the step takes 0.56x the plain one for Full AttnRes
-and 0.68x for Block AttnRes (attnres_read_torch), 0.92x for mHC (coefficients and stream
-write), 0.96x for MoDA, and 0.99x for HC (coefficients and stream write: no win on the CPU). The
-CUDA kernels and the torch forms on CUDA are not yet measured here (tools/gpu_check.py times
-each read plain and fast; docs/gpu.md); fla-core's and Liger's are the kernels the study
-trains with.
+Where both forms of a piece apply, the first listed wins. Without Triton or liger-kernel a
+CUDA run uses the torch forms of the same rows. The grouped AttnRes read (fast/depth_read.py)
+reads each source once per group of 8 reads, where fla-core's kernel (`FLA_READ`, the study's,
+kept to measure against) reads every source at every read. Measured (fast / plain step time,
+same process, interleaved; `python bench.py --suite=fast`; docs/performance.md has the table
+with its machine): on a 2-core CPU, eager, the step takes 0.45x the plain one for Full AttnRes
+and 0.69x for Block AttnRes (the torch forms), 0.92x for mHC (coefficients and stream write),
+0.96x for MoDA, and 0.99x for HC (coefficients and stream write: no win on the CPU). The CUDA
+kernels and the torch forms on CUDA are not yet measured (tools/gpu_check.py times each against
+the plain code; docs/gpu.md); `bench.py --suite=step` estimates them.
 
     import fast
     paths = fast.setup(model, 'auto', device, dtype=torch.bfloat16)  # -> the FastPaths in use (checked), [] when off
@@ -65,6 +71,19 @@ class FastPath:
     applies: Callable = lambda cfg: True  # the scheme options it maps exactly
     in_run_dtype: bool = False   # reads and writes in the run's autocast dtype: a declared rounding (check_autocast)
     output: int = 0              # the output that training differentiates (check_autocast weights its gradient)
+    extreme: tuple | None = None # (what, fn(twin)): a regime the plain code is exact in that the guard also checks
+
+
+@torch.no_grad()
+def _large_scores(twin):
+    """Every AttnRes pseudo-query 40x: depth scores of +-100, where exp overflows fp32 unless a
+    softmax subtracts its running max."""
+    for name, p in twin.named_parameters():
+        if name.endswith('_mix.query'):
+            p.mul_(40)
+
+
+LARGE_SCORES = ('depth scores of +-100', _large_scores)
 
 
 def full_attnres(cfg):
@@ -74,13 +93,19 @@ def full_attnres(cfg):
 
 FAST_PATHS = [
     FastPath('attnres_group_triton', residuals.AttnRes, 'read', depth_read.read(depth_read.TritonOps),
-             'grouped depth read (Triton)', cuda_only=True, package='triton', applies=full_attnres),
+             'grouped depth read (Triton)', cuda_only=True, package='triton', applies=full_attnres,
+             extreme=LARGE_SCORES),
     FastPath('blockattnres_group_triton', residuals.BlockAttnRes, 'read_at', depth_read.read_at(depth_read.TritonOps),
-             'grouped depth read (Triton)', cuda_only=True, package='triton', output=2),
+             'grouped depth read (Triton)', cuda_only=True, package='triton', output=2, extreme=LARGE_SCORES),
+    FastPath('blockattnres_sum_triton', residuals.BlockAttnRes, 'block', depth_read.block(depth_read.TritonOps),
+             'running sum fused with the grouped read (Triton)', cuda_only=True, package='triton', output=3,
+             extreme=LARGE_SCORES),
     FastPath('attnres_group_torch', residuals.AttnRes, 'read', depth_read.read(depth_read.TorchOps),
-             'grouped depth read (torch)', applies=full_attnres),
+             'grouped depth read (torch)', applies=full_attnres, extreme=LARGE_SCORES),
     FastPath('blockattnres_group_torch', residuals.BlockAttnRes, 'read_at', depth_read.read_at(depth_read.TorchOps),
-             'grouped depth read (torch)', output=2),
+             'grouped depth read (torch)', output=2, extreme=LARGE_SCORES),
+    FastPath('blockattnres_sum_torch', residuals.BlockAttnRes, 'block', depth_read.block(depth_read.TorchOps),
+             'running sum fused with the grouped read (torch)', output=3, extreme=LARGE_SCORES),
     FastPath('mhc_coeffs_liger', residuals.MHC, 'coefficients', streams.liger_coefficients, 'liger_mhc_coeffs',
              cuda_only=True, package='liger_kernel', applies=lambda cfg: cfg.mhc_sinkhorn == 'liger'),
     FastPath('mhc_coeffs_torch', residuals.MHC, 'coefficients', streams.torch_mhc_coefficients,
@@ -243,7 +268,8 @@ def _refusal(p, what):
 def check(model, paths, device, dtype=None, twin_dtype=None):
     """The start-up guard: a twin of `model` (`twin_config`, random weights; fp64 on the CPU,
     fp32 on CUDA, or `twin_dtype`) runs a training step plain and then with each fast path alone;
-    logits and every gradient must agree to 1e-9 relative (fp64) or 2e-3 (fp32). With `dtype`
+    logits and every gradient must agree to 1e-9 relative (fp64) or 2e-3 (fp32); a fast path with
+    an `extreme` regime is held against the plain code in it too, on a second twin. With `dtype`
     bf16 or fp16 (the run's autocast) each fast path is then also held against the plain method
     under that autocast (`check_autocast`). Raises FastPathMismatch naming the fast path and the
     plain code it replaces (`plain_code`), and the plain code that was edited, otherwise."""
@@ -253,24 +279,36 @@ def check(model, paths, device, dtype=None, twin_dtype=None):
     twin = GPT(twin_config(model.config)).to(device=device, dtype=twin_dtype)
     randomise(twin)
     idx = torch.randint(0, twin.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
-    plain = _run(twin, idx)
+    plain, extremes = _run(twin, idx), {}
     for p in paths:
-        enable(twin, [p])
-        try:
-            got = _run(twin, idx)
-        finally:
-            disable(twin)
-        if [n for n, _ in got] != [n for n, _ in plain]:
-            raise FastPathMismatch(_refusal(p, "it leaves other parameters without gradient on the start-up twin"))
-        # each tensor's error relative to its largest entry, floored at 1e-3 of the largest of all
-        # (a gradient that is small by cancellation carries the rounding of its larger terms)
-        floor = 1e-3 * max(t.abs().max().item() for _, t in plain)
-        for (n, want), (_, have) in zip(plain, got):
-            err = (have - want).abs().max().item() / max(want.abs().max().item(), floor)
-            if not err <= tol:  # NaN fails too
-                raise FastPathMismatch(_refusal(p, f"start-up twin, {n}: relative error {err:.1e} > {tol:.0e}"))
+        _compare(p, twin, idx, plain, tol, "start-up twin")
+        if p.extreme is not None:
+            if p.extreme not in extremes:
+                x = copy.deepcopy(twin)
+                p.extreme[1](x)
+                extremes[p.extreme] = (x, _run(x, idx))
+            x, want = extremes[p.extreme]
+            _compare(p, x, idx, want, tol, f"start-up twin with {p.extreme[0]}")
     if dtype in LOW_PRECISION:
         check_autocast(model, paths, device, dtype)
+
+
+def _compare(p, twin, idx, plain, tol, where):
+    """Fast path p on `twin` against the plain step's [(name, logits or gradient)] `plain`."""
+    enable(twin, [p])
+    try:
+        got = _run(twin, idx)
+    finally:
+        disable(twin)
+    if [n for n, _ in got] != [n for n, _ in plain]:
+        raise FastPathMismatch(_refusal(p, f"it leaves other parameters without gradient on the {where}"))
+    # each tensor's error relative to its largest entry, floored at 1e-3 of the largest of all
+    # (a gradient that is small by cancellation carries the rounding of its larger terms)
+    floor = 1e-3 * max(t.abs().max().item() for _, t in plain)
+    for (n, want), (_, have) in zip(plain, got):
+        err = (have - want).abs().max().item() / max(want.abs().max().item(), floor)
+        if not err <= tol:  # NaN fails too
+            raise FastPathMismatch(_refusal(p, f"{where}, {n}: relative error {err:.1e} > {tol:.0e}"))
 
 
 # ---- the guard under the run's autocast ----------------------------------------
@@ -328,7 +366,8 @@ def _replay(fn, res, args, on, dtype, to=None, modules=None, output=0):
             leaves.append(a.detach().to(to or a.dtype).requires_grad_())
             return leaves[-1]
         if isinstance(a, (list, tuple)):
-            return type(a)(leaf(b) for b in a)
+            items = [leaf(b) for b in a]
+            return type(a)(*items) if hasattr(a, '_fields') else type(a)(items)  # a NamedTuple state too
         return modules.get(id(a), a) if modules and isinstance(a, torch.nn.Module) else a
     args = [leaf(a) for a in args]
     params = list(res.parameters())
@@ -359,6 +398,8 @@ def check_autocast(model, paths, device, dtype):
     res = twin.residual
     ref = copy.deepcopy(res).to(torch.float64)
     modules = {id(m): ref.get_submodule(n) for n, m in res.named_modules()}
+    blocks = copy.deepcopy(twin.blocks).to(torch.float64)  # the branches a block-level fast path calls
+    modules.update({id(m): blocks.get_submodule(n) for n, m in twin.blocks.named_modules()})
     idx = torch.randint(0, twin.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
     low = str(dtype).removeprefix('torch.')
     for p in paths:
@@ -427,7 +468,8 @@ def describe(paths):
 CHECKED_CODE = {
     'AttnRes.read': 'b4e3dc1b2774', 'AttnRes.mix': '2d570f090332', 'no_autocast': '0ba5bf60b5f3',
     'BlockAttnRes.read_at': '4333cb12b75d', 'BlockAttnRes.boundary': '1d5c91b87103',
-    'Residual.record': '238965e20163', 'MHC.coefficients': '0d330215714b', 'sinkhorn': '0753b2593d6f',
+    'Residual.record': '238965e20163', 'BlockAttnRes.block': 'f832495a3410', 'AttnRes.attn_input': '3aad509f8066',
+    'rms_norm_eps': 'fdf3bfeee96e', 'MHC.coefficients': '0d330215714b', 'sinkhorn': '0753b2593d6f',
     'MHC.sinkhorn_rounds': '8b3588bc5fa7', 'sinkhorn_rounds': '8b3588bc5fa7', 'sinkhorn_round': '0c8a96a9f001',
     'HC.coefficients': '0eb74f874b89', 'MultiStream.read_streams': 'c5ffc4ba25bf',
     'MultiStream.write_streams': '77d316b0ddba', 'MoDA.attention': 'd0d664ed1a75',

@@ -441,7 +441,7 @@ def cuda_paths(model, kernels=True, fla=False):
     published kernel it is measured against."""
     res, chosen = model.residual, {}
     if fla and isinstance(res, fast.FLA_READ.scheme):
-        chosen = {'read': fast.FLA_READ, 'read_at': None}
+        chosen = {'read': fast.FLA_READ, 'read_at': None, 'block': None}
     for p in fast.FAST_PATHS:
         if isinstance(res, p.scheme) and p.method not in chosen and p.applies(model.config) \
                 and (kernels or p.package is None):

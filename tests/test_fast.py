@@ -57,9 +57,10 @@ def randn(*shape, dtype, device, g, scale=1.0):
     return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype)
 
 
-def path_inputs(res, method, mode, device):
+def path_inputs(res, method, mode, device, model=None):
     """(args, leaves) for `res.<method>(*args)`: random inputs in the dtypes the model hands the
-    method in `mode`, and the tensors whose gradients are compared (inputs and parameters)."""
+    method in `mode`, and the tensors whose gradients are compared (inputs and parameters);
+    `model` (res's), for the methods that call its blocks."""
     g = torch.Generator().manual_seed(1)
     wide = torch.float64 if mode == 'fp64' else torch.float32
     low = torch.bfloat16 if mode == 'bf16' else wide
@@ -77,6 +78,10 @@ def path_inputs(res, method, mode, device):
         sources = tuple(t(B, T, D, scale=0.5 + i) for i in range(N_SRC - 1))
         partial = t(B, T, D, scale=2.0)
         return (sources, partial, 3, mixer, 1, 1), [*sources, partial, mixer.query, mixer.key_norm.weight]
+    if method == 'block':  # Block AttnRes's block 0 on the embedding: its MLP read is fused with P + f
+        x = t(B, T, D)
+        return (res.begin(x), 0, model.blocks[0], (model.rope_cos[:T], model.rope_sin[:T])), \
+            [x, *res.parameters(), *model.blocks[0].parameters()]
     if method == 'coefficients':  # the streams stay fp32: the routing runs with autocast off
         route = res.layers[0].mlp_route
         H = t(B, T, M, D)
@@ -128,9 +133,11 @@ def available(path):
 
 
 def configs(path):
-    """The scheme options the fast path maps exactly (mHC: both Sinkhorn orders)."""
-    options = [{'mhc_sinkhorn': 'liger'}, {'mhc_sinkhorn': 'plain'}] if path.scheme is residuals.MHC else [{}]
-    return [kw for kw in options if path.applies(GPTConfig(**kw))]
+    """The scheme options the fast path maps exactly (mHC: both Sinkhorn orders; Block AttnRes:
+    one block of all 4 sublayers, so that block 0's MLP read is fused with its running sum)."""
+    options = [{'mhc_sinkhorn': 'liger'}, {'mhc_sinkhorn': 'plain'}] if path.scheme is residuals.MHC else \
+        [{'attnres_blocks': 1}] if path.scheme is residuals.BlockAttnRes else [{}]
+    return [kw for kw in options if path.applies(GPTConfig(residual=scheme_of(path), **kw))]
 
 
 CASES = [pytest.param(p, kw, id=f"{p.name}-{'-'.join(map(str, kw.values())) or 'default'}")
@@ -158,7 +165,7 @@ def test_fast_path_matches_the_plain_method(path, cfg_kw, mode, compiled):
     off = path.method in ROUTING
     tol = TOL[mode] if not (path.cuda_only and mode == 'fp32') else 2e-3  # what fast.check allows on CUDA
     for which in ('all', 'first'):
-        args, leaves = path_inputs(res, path.method, mode, device)
+        args, leaves = path_inputs(res, path.method, mode, device, model)
         want_out, want_grads = forward_backward(plain, res, args, leaves, mode, device, which, off, path.output)
         have_out, have_grads = forward_backward(impl, res, args, leaves, mode, device, which, off, path.output)
         assert len(have_out) == len(want_out)
@@ -178,7 +185,7 @@ def test_every_fast_path_has_inputs_and_replaces_a_plain_method():
     for p in fast.FAST_PATHS:
         assert callable(getattr(p.scheme, p.method, None)), p.name
         model = make(scheme_of(p), **(configs(p) or [{}])[0])
-        path_inputs(model.residual, p.method, 'fp32', 'cpu')  # raises KeyError for a method without inputs
+        path_inputs(model.residual, p.method, 'fp32', 'cpu', model)  # raises KeyError for a method without inputs
 
 
 @pytest.mark.parametrize('order,eps', [('liger', residuals.LIGER_SINKHORN_EPS), ('plain', 0.0), ('liger', 1e-2)])
@@ -331,7 +338,7 @@ def test_the_guard_refuses_an_edit_the_fast_path_would_hide(residual, edit, name
 
 @pytest.mark.parametrize('residual,cfg_kw,names', [
     ('attnres', {}, ['attnres_group_torch']),
-    ('blockattnres', {}, ['blockattnres_group_torch']),
+    ('blockattnres', {}, ['blockattnres_group_torch', 'blockattnres_sum_torch']),
     ('hc', {}, ['hc_coeffs_torch', 'streams_write_torch']),
     ('mhc', {}, ['mhc_coeffs_torch', 'streams_write_torch']),
     ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_coeffs_torch', 'streams_write_torch']),
@@ -555,7 +562,7 @@ def test_the_twin_reads_every_branch_of_every_scheme():
 
 @pytest.mark.parametrize('residual,cfg_kw,names', [
     ('attnres', {}, ['attnres_group_triton']),
-    ('blockattnres', {}, ['blockattnres_group_triton']),
+    ('blockattnres', {}, ['blockattnres_group_triton', 'blockattnres_sum_triton']),
     ('hc', {}, ['hc_coeffs_torch', 'streams_read_liger', 'streams_write_liger']),
     ('mhc', {}, ['mhc_coeffs_liger', 'streams_read_liger', 'streams_write_liger']),
     ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_coeffs_torch', 'streams_read_liger', 'streams_write_liger']),

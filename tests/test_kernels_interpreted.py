@@ -65,24 +65,27 @@ def interpret(*cases):
 
 # The grouped AttnRes read's kernels (fast/depth_kernels.py) over all 8 reads of a 4-block model:
 # outputs z (and a), gradients of the 9 sources and of the 8 pseudo-queries and 8 key gains
-DEPTH = [f'depth_{s}_G{g}_{d}' for s in ('attnres', 'blockattnres') for g in (1, 3, 8) for d in ('fp32', 'bf16')] + \
-    [f'depth_{s}_G8_chain' for s in ('attnres', 'blockattnres')] + ['depth_attnres_G3_weights']
+DEPTH = [f'depth_{s}_G{g}_fp32' for s in ('attnres', 'blockattnres', 'blockattnres_sum') for g in (1, 3, 8)] + \
+    [f'depth_{s}_G3_bf16' for s in ('attnres', 'blockattnres', 'blockattnres_sum')] + \
+    [f'depth_{s}_G8_chain' for s in ('attnres', 'blockattnres', 'blockattnres_sum')] + ['depth_attnres_G3_weights']
 BIG = ['depth_attnres_G3_big', 'depth_blockattnres_G3_big']
 AUTOCAST_FACTOR, AUTOCAST_FLOOR = 3.0, 1e-5  # as the start-up guard: fast <= 3x plain's distance to fp64 + 1e-5
 
 
-@pytest.mark.parametrize('scheme', ['attnres', 'blockattnres'])
+@pytest.mark.parametrize('scheme', ['attnres', 'blockattnres', 'blockattnres_sum'])
 def test_grouped_read_kernels_match_the_plain_read(scheme):
     """Each case: every output and gradient of the kernels within 3x the plain read's own distance
     to fp64 (+ 1e-5), the start-up guard's rule: groups of 1, 3 and 8 reads (8 reads: 3 is no
-    divisor), fp32 and bf16 sources, reads independent of each other (an order the grouped read
-    must not rely on) and chained as in the model, the weights' own gradient (a loss on a);
-    pseudo-queries 40x (scores of +-100, where an online softmax without its running max
-    overflows fp32): finite, and within 30x the plain read's distance to fp64 (+ 1e-4). So peaked
-    a softmax leaves each weight's gradient a tiny difference p - c, which the grouped read
-    forms from two dot products (gz . v and gz . z) where the plain read forms c from the same
-    p's: ~sqrt(d) times the plain read's rounding (measured 14x at d = 24)."""
-    cases = [c for c in DEPTH + BIG if c.startswith(f'depth_{scheme}_')]
+    divisor), fp32 sources and (groups of 3) bf16 ones, reads independent of each other (an
+    order the grouped read must not rely on) and chained as in the model, the weights' own
+    gradient (a loss on a); Block AttnRes's running sum fused with the read after it
+    (blockattnres_sum: BlockAttnRes.block's fast form, sum_phase2_fwd and finish_bwd's second
+    output). Pseudo-queries 40x (scores of +-100, where an online softmax without its running
+    max overflows fp32): finite, and within 30x the plain read's distance to fp64 (+ 1e-4): so
+    peaked a softmax leaves each weight's gradient a tiny difference p - c, which the grouped
+    read forms from two dot products (gz . v and gz . z) where the plain read forms c from the
+    same p's, ~sqrt(d) times the plain read's rounding (measured 14x at d = 24)."""
+    cases = [c for c in DEPTH + BIG if c.startswith(f'depth_{scheme}_G')]
     rows = interpret(*cases)
     for case in cases:
         row = rows[case]
@@ -98,7 +101,8 @@ def test_grouped_read_kernels_match_the_plain_read(scheme):
 def test_the_guard_passes_the_grouped_read_kernels():
     """fast.check on the Triton paths under the interpreter: the fp32 twin (CUDA's 2e-3) and the
     twin under bf16 autocast accept both as they are."""
-    assert interpret('guard_depth')['guard_depth']['outputs'] == {'attnres': None, 'blockattnres': None}
+    assert interpret('guard_depth')['guard_depth']['outputs'] == {
+        'attnres_group_triton': None, 'blockattnres_group_triton': None, 'blockattnres_sum_triton': None}
 
 
 def test_kernels_match_the_plain_methods():

@@ -172,7 +172,8 @@ def report(config, schemes, batch_size=None, archs=(80, 90), log=print):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--config', default='config/attnres_L32.py', help="train.py config file whose shape is compiled")
     ap.add_argument('--schemes', default='attnres,blockattnres', help="schemes whose launches are compiled")
     ap.add_argument('--batch_size', type=int, default=None, help="micro-batch (default: the config's)")
@@ -185,8 +186,8 @@ def main(argv=None):
     try:
         import triton  # noqa: F401
     except ImportError:
-        sys.exit("tools/kernels.py needs triton: pip install --no-deps --target .interpret -r requirements-interpret.txt, "
-                 "then --triton_path=.interpret")
+        sys.exit("tools/kernels.py needs triton: pip install --no-deps --target .interpret "
+                 "-r requirements-interpret.txt, then --triton_path=.interpret")
     rows = report(a.config, [s.strip() for s in a.schemes.split(',') if s.strip()], a.batch_size,
                   [int(x) for x in a.archs.split(',')])
     if a.json:
