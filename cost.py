@@ -23,9 +23,10 @@ elementwise work are not counted, as in the paper):
     the T×T score and value products) and the LM head on the last position only;
   - flop_check() counts what the code executes: the full T×T attention (4T²d) and the
     LM head on all T positions;
-  - KV cache: keys and values of every layer for a T-token sequence, bf16 (2 bytes);
-    MB = 1e6 bytes, GB = 1e9 bytes. MoDA's adds the per-token depth buffer (2L slots) a
-    prefill holds; decoding keeps none of it (kv_cache_bytes(..., decode=True));
+  - KV cache: keys and values of every layer for a T-token sequence, bf16 (2 bytes), the
+    same for every scheme (what model.KVCache holds); MB = 1e6 bytes, GB = 1e9 bytes. MoDA's
+    prefill also holds a per-token depth buffer (2L slots), which no decoder keeps
+    (kv_cache_bytes(..., residual='moda', prefill=True));
   - Block AttnRes: the table uses the paper's Appendix D source count; the model reads
     N - 1 = 7 sources fewer (blockattnres_sources, appendix_d=False);
   - a scheme registered in residuals.RESIDUALS without closed forms here (one you
@@ -245,30 +246,31 @@ def config_flops(cfg, seq_len, **kw):
 
 
 def kv_cache_bytes(n_layer, n_embd, seq_len, *, n_head=16, n_kv_head=None, bytes_per_elem=2, batch=1,
-                   residual='preln', decode=False):
+                   residual='preln', prefill=False):
     """
     Bytes of the KV cache of `batch` sequences of T = seq_len tokens (paper Sec. 4.4):
 
         2 (K and V) · L · T · n_kv · hd · bytes_per_elem · batch
 
     = 2·L·T·d·2 bytes for MHA in bf16 (L16/d1216, T=4096: 319 MB; L70/d640: 734 MB);
-    GQA with n_kv = H/2 halves it.
+    GQA with n_kv = H/2 halves it. The same for every scheme: the attention's keys and values
+    are all that crosses from one token to the next (model.KVCache holds exactly this, tested
+    in tests/test_kv_cache.py). The depth reads of AttnRes and Block AttnRes and the stream
+    routing of HC and mHC act on one token's own states, and MoDA's depth slots are read only
+    by the later blocks of the same token, so they are dead once a token has passed all L
+    blocks: a decoder keeps none of them.
 
-    MoDA (residual='moda') also keeps a per-token depth buffer: 2L slots, each a key and
-    a value of n_kv·hd (slot 2b = block b's attention k, v before RoPE; 2b+1 = the W_kv
-    projection of its FFN input; the last slot is never written). A token's depth slots
-    are read only by the later blocks of the *same* token, so once a token has passed
-    all L blocks they are dead: decoding needs no persistent depth cache (decode=True
-    returns the Pre-LN cache for MoDA), but a prefill of T tokens processed block by
-    block holds the buffer of all T tokens at once, 2·2L·T·n_kv·hd·bytes·batch, i.e.
-    twice the sequence cache, which decode=False (the default) adds. (An implementation
-    that caches pre-RoPE keys could alias the L attention slots with the sequence cache
-    and hold only the L-1 W_kv slots.) Other schemes: no extra cache.
+    prefill=True adds, for MoDA, the per-token depth buffer that a prefill of T tokens run
+    block by block holds at once: 2L slots of a key and a value of n_kv·hd per token (slot 2b
+    = block b's attention k, v before RoPE; 2b+1 = the W_kv projection of its FFN input; the
+    last slot is never written), 2·2L·T·n_kv·hd·bytes·batch, twice the sequence cache. Working
+    memory of the forward, not a cache; other schemes: nothing (their depth state is
+    activations, as every scheme's).
     Units: bytes (int). Raises ValueError for a bad head layout.
     """
     hd, n_kv = _heads(n_embd, n_head, n_kv_head)
     seq = 2 * n_layer * seq_len * n_kv * hd * bytes_per_elem * batch
-    if residual == 'moda' and not decode:
+    if residual == 'moda' and prefill:
         seq += 2 * (2 * n_layer) * seq_len * n_kv * hd * bytes_per_elem * batch
     return seq
 
@@ -632,15 +634,15 @@ def format_table(rows):
 
 
 def format_pivot(rows):
-    """Prefill TFLOPs per sequence as a shape x scheme markdown table, with the KV cache (MB)
-    of the schemes without extra cache (the sequence cache, 2·L·T·n_kv·hd·2 bytes)."""
+    """Prefill TFLOPs per sequence as a shape x scheme markdown table, with the KV cache (MB),
+    the same for every scheme (2·L·T·n_kv·hd·2 bytes)."""
     schemes = list(dict.fromkeys(r['scheme'] for r in rows))
     shapes = list(dict.fromkeys((r['L'], r['d']) for r in rows))
     cell = {(r['scheme'], r['L'], r['d']): r for r in rows}
     lines = ['| L | d | d/L | ' + ' | '.join(schemes) + ' | KV cache (MB) |', '|' + '---|' * (len(schemes) + 4)]
     for L, d in shapes:
         r0 = cell[(schemes[0], L, d)]
-        kv = kv_cache_bytes(L, d, r0['seq_len'], n_head=r0['n_head'], n_kv_head=r0['n_kv_head'], decode=True)
+        kv = kv_cache_bytes(L, d, r0['seq_len'], n_head=r0['n_head'], n_kv_head=r0['n_kv_head'])
         lines.append(f"| {L} | {d} | {d / L:.2f} | " + ' | '.join(_num(cell[(s, L, d)]['flops'] / 1e12, 3)
                                                              for s in schemes) + f" | {_num(kv / 1e6, 0)} |")
     return '\n'.join(lines)

@@ -998,7 +998,11 @@ class MoDA(Residual):
     slot's reference (never in place). probe = lens = h. Skip rule (docs/probes.md): a
     skipped block leaves h unchanged and writes nothing into its two slots, which stay zero
     and still take softmax mass exp(q . 0) = 1 with a zero value. use_depth=False masks out
-    every depth score: the model is then Pre-LN with unused W_kv (equivalence tests, ablations)."""
+    every depth score: the model is then Pre-LN with unused W_kv (equivalence tests, ablations).
+    KV cache (model.KVCache): only the sequence keys and values, as Pre-LN. A token's depth
+    slots are read only by its own later blocks, so a generation step builds them afresh for
+    its new tokens (begin) and drops them after the last block; the cached tokens' slots are
+    never needed again (cost.kv_cache_bytes; prefill=True counts the slots of a prefill)."""
 
     unit_paths = True  # Pre-LN's adds: the depth attention is inside the attention branch
     regions = {'attention': [(3, 3), (4, 3)]}  # depth_k, depth_v (B, H_kv, T, S, hd): S grows
@@ -1020,18 +1024,20 @@ class MoDA(Residual):
         """One softmax over the causal sequence keys and the S depth keys of the same token:
             a_t = softmax([q_t . k_s, s <= t | q_t . K_depth[t, j], j < S] / sqrt(hd)),
             y_t = sum_s a_ts v_s + sum_j a_tj V_depth[t, j].
-        q (B, H, T, hd) and k (B, H_kv, T, hd) after RoPE, v (B, H_kv, T, hd), depth_k and
-        depth_v (B, H_kv, T, S, hd), S >= 1; query head i reads key/value head i // (H / H_kv).
-        Returns y (B, H, T, hd). The scores are an explicit (T + S)-column matrix per query."""
+        q (B, H, T, hd) and k (B, H_kv, Tk, hd) after RoPE, v (B, H_kv, Tk, hd), Tk >= T: the
+        queries are the last T of the Tk sequence positions (Tk = T but in cached generation,
+        where k and v start with the cached tokens'); depth_k and depth_v (B, H_kv, T, S, hd),
+        S >= 1, the query tokens' own; query head i reads key/value head i // (H / H_kv).
+        Returns y (B, H, T, hd). The scores are an explicit (Tk + S)-column matrix per query."""
         B, H, T, hd = q.shape
-        Hkv = k.size(1)
+        Hkv, Tk = k.size(1), k.size(2)
         q = q.view(B, Hkv, H // Hkv, T, hd) * hd ** -0.5                         # (B, H_kv, G, T, hd)
-        seq = q @ k.unsqueeze(2).transpose(-1, -2)                                # (B, H_kv, G, T, T)
-        seq = seq.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float('-inf'))
+        seq = q @ k.unsqueeze(2).transpose(-1, -2)                                # (B, H_kv, G, T, Tk)
+        seq = seq.masked_fill(~torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T), float('-inf'))
         dep = torch.einsum('bkgtd,bktsd->bkgts', q, depth_k)                     # (B, H_kv, G, T, S)
-        scores = torch.cat((seq, dep), dim=-1)                                    # (B, H_kv, G, T, T + S)
+        scores = torch.cat((seq, dep), dim=-1)                                    # (B, H_kv, G, T, Tk + S)
         a = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype)
-        a_seq, a_dep = a.split([T, dep.size(-1)], dim=-1)
+        a_seq, a_dep = a.split([Tk, dep.size(-1)], dim=-1)
         y = a_seq.contiguous() @ v.unsqueeze(2) + torch.einsum('bkgts,bktsd->bkgtd', a_dep, depth_v)
         return y.reshape(B, H, T, hd)
 
@@ -1051,11 +1057,14 @@ class MoDA(Residual):
         attn, prm = layer.attn, self.layers[b]
         q, k, v = attn.qkv(prm.attn_norm(h))  # (B, H, T, hd), (B, H_kv, T, hd) x2, before RoPE
         qr, kr = attn.rotate(q, rope), attn.rotate(k, rope)
+        ks, vs = attn.context(kr, v)          # the sequence's keys, values: kr, v; in generation after the cached ones
         S = 2 * p if self.use_depth else 0    # the depth slots this block reads
         if S == 0:
-            y = F.scaled_dot_product_attention(qr, kr, v, is_causal=True, enable_gqa=kr.size(1) != qr.size(1))
-        else:
-            y = self.attention(qr, kr, v, torch.stack(K[:S], dim=3), torch.stack(V[:S], dim=3))
+            y = attn.attend(qr, ks, vs)       # plain causal attention
+        elif ks.size(2) == qr.size(2):
+            y = self.attention(qr, ks, vs, torch.stack(K[:S], dim=3), torch.stack(V[:S], dim=3))
+        else:  # queries after cached keys: the plain method (fast paths and the compiled region take T x T)
+            y = type(self).attention(self, qr, ks, vs, torch.stack(K[:S], dim=3), torch.stack(V[:S], dim=3))
         h = h + attn.out(y)
         K, V = put_slot(K, 2 * p, k), put_slot(V, 2 * p, v)
         x = prm.mlp_norm(h)
