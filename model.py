@@ -21,16 +21,18 @@ scheme alike (the diagnostics of the paper's Sec. 4 use exactly that).
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, residual='attnres'))
     logits, loss = model(idx, targets)        # idx, targets: (B, T) int64
-    model.compile()                           # regional: not torch.compile(model), see compile_regions
+    model.compile()                           # regional: each block's pieces, see compile_regions
     cache = KVCache(model.config.n_layer)     # generation: run the prompt, then one token at a time
     h = model.hidden(prompt, cache=cache); h = model.hidden(next_token, cache=cache)
 
-torch.compile(model) traces all L blocks as one graph and takes minutes to compile at depth;
-`model.compile()` (= `compile_regions`) compiles each piece once for all blocks, in seconds.
+A whole-model torch.compile(model) would trace all L blocks as one graph and take minutes to
+compile at depth; `model.compile()` (= `compile_regions`) compiles each piece once for all
+blocks, in seconds, and a plain torch.compile(model) is turned into it, with one warning.
 """
 
 import inspect
 import math
+import warnings
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -305,6 +307,7 @@ class GPT(nn.Module):
         cos, sin = rope_cache(cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_theta)
         self.register_buffer('rope_cos', cos, persistent=False)  # (block_size, hd/2)
         self.register_buffer('rope_sin', sin, persistent=False)
+        self.regions_compiled = False  # compile_regions has run (a plain torch.compile(model) runs it once)
         self.init_weights()
 
     @torch.no_grad()
@@ -345,12 +348,14 @@ class GPT(nn.Module):
         for name, grows in res.regions.items():
             if name not in vars(res):  # not replaced by a fast path
                 setattr(res, name, compiled_region(getattr(res, name), grows, backend))
+        self.regions_compiled = True
         return self
 
     def compile(self, backend='inductor'):
         """model.compile() is `compile_regions`: nn.Module.compile would trace the whole model
         as one graph, every block unrolled, and take minutes to compile at depth where the
-        regions take seconds. Returns self."""
+        regions take seconds (a plain torch.compile(model) gets the regions too, see
+        `forward`). Returns self."""
         return self.compile_regions(backend)
 
     def num_params(self, non_embedding=False):
@@ -404,7 +409,10 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, order=None, skip=()):
         """idx, targets: (B, T) int64 -> logits (B, T, V), loss (mean next-token cross-entropy
         in nats over targets != -1, None without targets). With targets, the head and the loss
-        are `lm_head_loss` (the loss in chunks; its logits carry no gradient)."""
+        are `lm_head_loss` (the loss in chunks; its logits carry no gradient).
+        Under a plain torch.compile(model) this runs `whole_model_compiled` instead."""
+        if torch.compiler.is_compiling():  # torch.compile(model) is tracing: all L blocks in one graph
+            return whole_model_compiled(self, idx, targets, order, skip)
         h = self.hidden(idx, order, skip)
         if targets is None:
             return self.head(h), None
@@ -504,6 +512,21 @@ class HeadLoss(torch.autograd.Function):
         s = gloss / n_valid
         return (None if gx is None else (gx * s).to(xdt).view(shape),
                 None if gw is None else (gw * s).to(wdt), None, None, None)
+
+
+@torch.compiler.disable
+def whole_model_compiled(model, idx, targets=None, order=None, skip=()):
+    """What a plain torch.compile(model) runs: the model's forward with its regions compiled
+    (`GPT.compile_regions`, inductor, done once, with one warning that names model.compile()),
+    instead of one graph of all L blocks, which takes minutes to compile at depth where the
+    regions take seconds (docs/performance.md, compile time against depth). Dynamo does not
+    trace into this function (compiler.disable); the regions it calls are compiled on their own."""
+    if not model.regions_compiled:
+        warnings.warn(f"torch.compile(model) would trace all {model.config.n_layer} blocks as one graph, which "
+                      f"takes minutes to compile at depth: compiling each block's pieces instead, as "
+                      f"model.compile() does (call model.compile() rather than torch.compile(model))", stacklevel=2)
+        model.compile_regions()
+    return model.forward(idx, targets, order, skip)
 
 
 def compiled_region(fn, grows, backend='inductor'):
