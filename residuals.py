@@ -316,8 +316,9 @@ class BlockAttnRes(AttnRes):
 
     As Full AttnRes (same parameters, same `read`), but the sources are block sums. The 2L
     sublayers form cfg.attnres_blocks AttnRes blocks of S = 2L / attnres_blocks sublayers.
-    At sublayer k with k % S == 0 and k > 0 the running partial sum P is frozen as a new
-    source before sublayer k's input is computed; sublayer k's output starts the next P:
+    At sublayer k with k % S == 0 and k > 0 (`boundary`, the one place of the rule) the running
+    partial sum P is frozen as a new source before sublayer k's input is computed; sublayer k's
+    output starts the next P:
 
         z_k = sum_i a_ki v_i over v in [embedding, frozen block sums..., P if non-empty],
         f_k = F_k(RMSNorm_pre,k(z_k)),   P <- P + f_k
@@ -348,20 +349,30 @@ class BlockAttnRes(AttnRes):
         self.group_size = n_sub // n_blocks  # S, sublayers per AttnRes block
 
     def notes(self):
+        """One start-up line with the block size, e.g. "Block AttnRes: 2 blocks of 4 sublayers"
+        (train.py prints it), and what the scheme is when S = 1 or S = 2L."""
         n_sub, S = 2 * self.cfg.n_layer, self.group_size
         if S == 1:
             return [f"Block AttnRes with attnres_blocks={self.cfg.attnres_blocks} and 2L = {n_sub} sublayers "
-                    f"is Full AttnRes: one sublayer per block, every source a sublayer output (blocks of "
+                    f"is Full AttnRes: {n_sub} blocks of 1 sublayer, every source a sublayer output (blocks of "
                     f"several sublayers: attnres_blocks a divisor of {n_sub} below {n_sub})"]
         if S == n_sub:
             return [f"Block AttnRes with attnres_blocks={self.cfg.attnres_blocks}: one block holds all {n_sub} "
                     f"sublayers, so every read sees only the embedding and the running sum"]
-        return []
+        return [f"Block AttnRes: {n_sub // S} blocks of {S} sublayers (attnres_blocks={self.cfg.attnres_blocks}, "
+                f"2L = {n_sub})"]
+
+    def boundary(self, k):
+        """Whether sublayer k's read is at an AttnRes-block boundary: the running sum P is frozen
+        as a source before that read. k: the 0-based index of the sublayer in the run (k = 2L is
+        the final aggregator), as in `read_at`. The one place of the rule; `read_at` and `skip`
+        both ask it, so an edit here moves the read and the probes' skip rule together."""
+        return k % self.group_size == 0
 
     def read_at(self, sources, partial, k, mixer, b, j):
         """The input of sublayer k (recorded as block b, sublayer j): freezes P at a boundary,
         then reads the embedding, the frozen blocks and P. -> (sources, partial, z, boundary)."""
-        boundary = k % self.group_size == 0
+        boundary = self.boundary(k)
         if boundary and partial is not None:
             sources, partial = sources + (partial,), None
         current = -1 if partial is None else len(sources)
@@ -387,9 +398,9 @@ class BlockAttnRes(AttnRes):
 
     def skip(self, state, b):
         sources, partial, k, _, _ = state
-        if (k + 1) % self.group_size == 0 and partial is not None:  # a boundary at the skipped MLP still freezes P
+        if self.boundary(k + 1) and partial is not None:  # a boundary at the skipped MLP still freezes P
             sources, partial = sources + (partial,), None
-        if (k + 2) % self.group_size == 0:  # next-output rule: identity on the newest source
+        if self.boundary(k + 2):  # next-output rule: identity on the newest source
             if partial is not None:
                 sources = sources + (partial,)
             return BlockState(sources, None, k + 2, sources[-1], True)
