@@ -560,7 +560,11 @@ class HC(MultiStream):
         H' = A_r^T H + beta (x) f                                                          (`write_streams`)
 
     read_streams and write_streams are MultiStream's (shared with mHC). The coefficients
-    come from the normalised streams but multiply the raw ones. Init: A_m = one-hot
+    come from the normalised streams but multiply the raw ones. To change beta for HC alone,
+    change the beta that HC.coefficients returns (e.g. `beta = 0.5 * (route.static_beta + ...)`):
+    it is computed here and only applied in write_streams, which mHC runs too, so an edit
+    there changes mHC's H_post as well. (With --fast, start-up checks the fast form of
+    HC.coefficients against the edited one and stops in one line: run --fast=False.) Init: A_m = one-hot
     e_{k mod m} (k = 2b + j), A_r = I, beta = 1, dynamic_alpha = dynamic_beta = 0,
     alpha_scale = beta_scale = 0.01, and (cfg.hc_out_init_scale, the study's default) attention-out
     and SwiGLU-down init divided by sqrt(m): every stream then equals Pre-LN's h with the same
