@@ -180,3 +180,20 @@ def test_sample_py_with_and_without_the_cache(tmp_path, capsys):
     assert sample.main(args + ['--kv_cache=False']) == cached
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert 'tokens/s (no KV cache' in err, err
+
+
+def test_cost_py_measures_the_cache_against_the_formula(capsys):
+    """`python cost.py --kv_cache` (docs/cost.md's table): measured bytes, the formula's, the
+    two generations' tokens (the same), a ratio of times; a bad length is one line."""
+    rows = cost.measure_kv_cache(['attnres', 'moda'], [(2, 32, {'n_kv_head': 2})], prompt_len=6, new_tokens=5,
+                                 rounds=1, vocab_size=61, n_head=4)
+    for r in rows:
+        assert r['tokens'] == 11 and r['cache_bytes'] == r['formula_bytes'] == 2 * 2 * 11 * 2 * 8 * 4
+        assert r['same_tokens'] and r['speedup'] > 0 and r['tokens_per_s_cache'] > 0
+    assert cost.main(['--kv_cache', '--schemes=preln', '--shapes=2x32', '--n_head=4', '--seq_len=4',
+                      '--new_tokens=2', '--iters=1']) == 0
+    out = capsys.readouterr().out
+    assert 'KV cache: a prompt of 4 tokens, then 2 greedy tokens' in out and '| preln | 2 | 32 | 4/4 | 6 |' in out
+    assert cost.main(['--kv_cache', '--schemes=preln', '--shapes=2x32', '--n_head=4', '--new_tokens=0']) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('error:') and 'new_tokens=0' in err and '\n' not in err
