@@ -108,6 +108,9 @@ def arc_easy_accuracy(logits_fn, enc, items, *, pairs=None, batch_size=8, max_le
     n_choices = [len(item['choices']) for item in items]
     if len(pairs) != sum(n_choices):
         raise ValueError(f"{len(pairs)} pairs for {sum(n_choices)} choices; build them with prepare_pairs(enc, items)")
+    if not items:
+        return {'acc': 0.0, 'acc_norm': 0.0, 'n': 0, 'pred': [], 'pred_norm': [], 'correct': [], 'correct_norm': [],
+                'logprobs': []}
     scores = continuation_logprobs(logits_fn, enc, pairs, batch_size=batch_size, max_len=max_len,
                                    device=device, progress=progress, desc='ARC-Easy')
     task = arc_easy_task(items)
@@ -126,7 +129,7 @@ def arc_easy_accuracy(logits_fn, enc, items, *, pairs=None, batch_size=8, max_le
         logprobs.append(lp)
         k += m
     n = len(items)
-    return {'acc': sum(correct) / max(n, 1), 'acc_norm': sum(correct_norm) / max(n, 1), 'n': n,
+    return {'acc': sum(correct) / n, 'acc_norm': sum(correct_norm) / n, 'n': n,
             'pred': pred, 'pred_norm': pred_norm, 'correct': correct, 'correct_norm': correct_norm,
             'logprobs': logprobs}
 
