@@ -472,7 +472,7 @@ CHECKED_CODE = {
     'rms_norm_eps': 'fdf3bfeee96e', 'MHC.coefficients': '0d330215714b', 'sinkhorn': '0753b2593d6f',
     'MHC.sinkhorn_rounds': '8b3588bc5fa7', 'sinkhorn_rounds': '8b3588bc5fa7', 'sinkhorn_round': '0c8a96a9f001',
     'HC.coefficients': '0eb74f874b89', 'MultiStream.read_streams': 'c5ffc4ba25bf',
-    'MultiStream.write_streams': '77d316b0ddba', 'MoDA.attention': 'd0d664ed1a75',
+    'MultiStream.write_streams': '77d316b0ddba', 'MoDA.attention': 'e782425acffc',
 }
 
 

@@ -2,7 +2,8 @@
 Regional compilation, `GPT.compile_regions` ("compile the block, not the model"): every
 block's branches and the scheme's `regions` are compiled on their own. The compiled model
 gives the eager loss and gradients for every scheme, with no graph break; the number of
-compiled graphs does not grow with depth; a region that a fast path replaced is not compiled.
+compiled graphs does not grow with depth; a region that a fast path replaced is not compiled;
+a plain torch.compile(model) gets the regional compile, with one warning naming model.compile().
 Backend aot_eager (traced as inductor traces, then run eagerly: seconds, no C++ compiler),
 and one inductor run (slow).
 
@@ -166,3 +167,45 @@ def test_model_compile_is_the_regional_compile():
     assert all(blk.attn._compiled_call_impl is not None and blk.mlp._compiled_call_impl is not None
                for blk in model.blocks)
     assert 'mix' in vars(model.residual)  # AttnRes's region, compiled on its own
+
+
+def compiled_step(compiled, model, idx):
+    """`step` through torch.compile(model)'s wrapper, gradients read from the model."""
+    model.zero_grad(set_to_none=True)
+    loss = compiled(idx, idx)[1]
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize('residual', ['attnres', 'moda'])
+def test_a_plain_torch_compile_gets_the_regional_compile_with_one_warning(residual, monkeypatch):
+    """nanoGPT's `model = torch.compile(model)`: the first call warns once, naming
+    model.compile(), and compiles the regions (not one graph of every block): the eager step,
+    the same graphs as model.compile() at L = 2 and at L = 4 (flat in depth), no second
+    warning, no recompile on the second step."""
+    import warnings
+    monkeypatch.setattr(GPT.compile_regions, '__defaults__', ('aot_eager',))  # inductor needs a C++ compiler: slow
+    counts = []
+    for L in (2, 4):
+        torch._dynamo.reset()
+        counters.clear()
+        model, idx = make(residual, L), tokens()
+        eager = step(model, idx)
+        compiled = torch.compile(model, backend='aot_eager')
+        with pytest.warns(UserWarning, match=r"model\.compile\(\)") as caught:
+            assert_same_step(compiled_step(compiled, model, idx), eager)
+        assert len([w for w in caught if 'torch.compile(model)' in str(w.message)]) == 1
+        assert model.regions_compiled and all(blk.attn._compiled_call_impl is not None for blk in model.blocks)
+        n = graphs()
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')  # a second warning would raise
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                assert_same_step(compiled_step(compiled, model, idx), eager)
+        assert graphs() == n
+        counts.append(n)
+        torch._dynamo.reset()
+        counters.clear()
+        regional = make(residual, L).compile(backend='aot_eager')
+        step(regional, idx)
+        assert graphs() == n, (graphs(), n)  # what model.compile() compiles
+    assert counts[0] == counts[1], counts

@@ -105,9 +105,11 @@ class FixedLogits(torch.nn.Module):
     def __init__(self, logits, block_size=8):
         super().__init__()
         self.logits = logits
-        self.config = type('cfg', (), {'block_size': block_size})()
+        self.config = type('cfg', (), {'block_size': block_size, 'n_layer': 1})()
 
-    def hidden(self, idx):
+    def hidden(self, idx, cache=None):
+        if cache is not None:
+            cache.pos += idx.size(1)
         return torch.zeros(idx.size(0), idx.size(1), 1)
 
     def head(self, h):
