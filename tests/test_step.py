@@ -87,7 +87,8 @@ def test_kernel_stand_in_flops_equal_cost_extra_flops(scheme):
     extra = cost.extra_flops(scheme, cfg.n_layer, cfg.n_embd, T, n_head=cfg.n_head, attnres_blocks=2,
                              appendix_d=False)
     assert c['flops'] - base['flops'] == 3 * B * extra
-    assert c['paths'] == {'attnres': ['attnres_group_triton'], 'blockattnres': ['blockattnres_group_triton'],
+    assert c['paths'] == {'attnres': ['attnres_group_triton'],
+                          'blockattnres': ['blockattnres_group_triton', 'blockattnres_sum_triton'],
                           'mhc': ['mhc_coeffs_liger', 'streams_read_liger', 'streams_write_liger']}[scheme]
     if scheme != 'mhc':
         fla = step.count_step(cfg, B, T, fast_paths='cuda_fla')
