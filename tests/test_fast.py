@@ -336,6 +336,32 @@ def test_the_guard_refuses_an_edit_the_fast_path_would_hide(residual, edit, name
     assert rel_err(logits(model, idx), before) > 1e-7  # with fast off the edit is what runs
 
 
+@pytest.mark.parametrize('compiled', [False, True], ids=['eager', 'compiled'])
+@pytest.mark.parametrize('residual,edit,name,method,edited', [e for e in EDITS if 'attnres' in e[0]],
+                         ids=[e[0] + '-' + e[4] for e in EDITS if 'attnres' in e[0]])
+def test_an_edit_of_the_attnres_read_trains_with_fast_paths_off(residual, edit, name, method, edited, compiled,
+                                                               monkeypatch):
+    """A student's edit of AttnRes.mix, AttnRes.read or BlockAttnRes.read_at, with fast paths off:
+    the edited code is what trains, eagerly and compiled (regional, aot_eager): a training step's
+    loss moves off the unedited model's, and the step's gradients are those of the edited
+    code run plainly."""
+    torch._dynamo.reset()
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+
+    def step():
+        model = make(residual)
+        if compiled:
+            model.compile(backend='aot_eager')
+        assert fast.setup(model, False, 'cpu') == []
+        loss = model(idx, idx)[1]
+        loss.backward()
+        return loss.item(), model.residual.layers[1].mlp_mix.query.grad.clone()
+    before, g_before = step()
+    edit(monkeypatch)
+    after, g_after = step()
+    assert abs(after - before) > 1e-6 and not torch.allclose(g_after, g_before)
+
+
 @pytest.mark.parametrize('residual,cfg_kw,names', [
     ('attnres', {}, ['attnres_group_torch']),
     ('blockattnres', {}, ['blockattnres_group_torch', 'blockattnres_sum_torch']),
