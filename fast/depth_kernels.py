@@ -1,6 +1,6 @@
 """
 Triton kernels of the grouped AttnRes depth read (fast/depth_read.py, which launches them
-through fast/launch.py and documents the math). Tokens are rows of N = B * T; d = D features,
+through perf/launch.py and documents the math). Tokens are rows of N = B * T; d = D features,
 held in one block of BD = next power of 2 >= D lanes. Sources come as two tuples of (N, D)
 pointers, the fp32 ones (`src32`, the first n32 sources) and the 16-bit ones (`src16`, the next
 n16), each padded to a power-of-2 length so that few variants compile; a loop over the first n

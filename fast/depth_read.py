@@ -37,7 +37,7 @@ import weakref
 
 import torch
 
-from fast.launch import launch
+from perf.launch import launch
 from residuals import BlockState, no_autocast
 
 G_MAX = 8  # reads per group: the step estimate's best at the 400M L = 32 shape (docs/performance.md)
@@ -230,7 +230,7 @@ class Phase1(torch.autograd.Function):
             z1, lse1, e1, a0 = group.ops.phase1(base, group.U, group.eps)
         group.n0 = len(base)
         ctx.group, ctx.P = group, P
-        ctx.save_for_backward(*ws, *gs, z1[0], a0, *base)
+        ctx.save_for_backward(*ws, *gs, z1[0], a0, group.U, *base)  # U saved too: kept for the backward
         ctx.set_materialize_grads(False)
         return (*z1, lse1, e1, a0)
 
@@ -241,7 +241,7 @@ class Phase1(torch.autograd.Function):
         ops = group.ops
         gz, ga = grads[0], grads[-1]  # the first read's, when it returned (z1_0, a_0) itself
         saved = ctx.saved_tensors
-        ws, gs, (z0, a0), base = saved[:P], saved[P:2 * P], saved[2 * P:2 * P + 2], saved[2 * P + 2:]
+        ws, gs, (z0, a0, _), base = saved[:P], saved[P:2 * P], saved[2 * P:2 * P + 3], saved[2 * P + 3:]
         t = task()
         stash = group.stash.setdefault(t, {})
         with no_autocast(z0):
@@ -646,7 +646,7 @@ class TritonOps:
         e1 = torch.empty(P, n0, *shape[:-1], dtype=torch.float32, device=dev)
         a0 = torch.empty(n0, *shape[:-1], dtype=torch.float32, device=dev)
         launch('fast.depth_kernels', 'phase1_fwd', (N,), reads=('src32', 'src16', 'U'),
-               writes=('z1', 'lse1', 'e1', 'a0'), flops=4 * n0 * N * d * P, num_warps=8,
+               writes=('z1', 'lse1', 'e1', 'a0'), flops=4 * n0 * N * d * P, num_warps=8, maxnreg=255,
                src32=_padded(a32, torch.float32, dev), src16=_padded(low, ldt, dev), n32=len(a32), n16=len(low),
                U=U, z1=tuple(z.view(N, d) for z in z1), lse1=lse1, e1=e1, a0=a0, N=N, D=d, eps=eps,
                P=P, BD=_bd(d))
@@ -737,7 +737,7 @@ class TritonOps:
         launch('fast.depth_kernels', 'contribute_bwd', (gu.size(0),),
                reads=('src32', 'src16', 'U', 'gz', 'aw', 'c', 'zs'), writes=('bufs', 'gu'),
                also_read=[b for b, held in slots if held] + [gu], flops=8 * len(sources) * N * d * R,
-               num_warps=TritonOps.warps(R),
+               num_warps=TritonOps.warps(R), maxnreg=255,
                src32=_padded(a32, torch.float32, dev), src16=_padded(low, ldt, dev), n32=len(a32), n16=len(low),
                U=U, gz=tuple(r.gz.reshape(N, d) for r in reads), aw=tuple(r.a.reshape(-1, N) for r in reads),
                c=c, zs=tuple(r.z.reshape(N, d) if o else dummy for r, o in zip(reads, own)),
@@ -763,6 +763,7 @@ class TritonOps:
         out2 = dummy if cast is None else torch.empty(v.shape, dtype=cast, device=dev)
         launch('fast.depth_kernels', 'finish_bwd', (gu.size(0),), reads=('v', 'U', 'gz', 'aw', 'c', 'zs', 'buf', 'g'),
                writes=('out', 'out2', 'gu'), also_read=[gu], flops=8 * N * d * R, num_warps=TritonOps.warps(R),
+               maxnreg=255,
                v=v.reshape(N, d), U=U, gz=tuple(r.gz.reshape(N, d) for r in reads),
                aw=tuple(r.a.reshape(-1, N) for r in reads), arow=tuple(rows), c=c,
                zs=tuple(r.z.reshape(N, d) if o else dummy for r, o in zip(reads, own)),

@@ -68,7 +68,7 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 import cost
 import fast
-from fast.launch import Recorder
+from perf.launch import Recorder
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 

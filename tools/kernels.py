@@ -10,7 +10,7 @@ exits 1 if any variant spills or needs more shared memory or registers than the 
     python tools/kernels.py --json=out/kernels.json
 
 The variants are the launches themselves: a training micro-step at the config's shape runs under
-fake tensors (perf/step.py, fast paths as on CUDA) and fast/launch.py records each launch's
+fake tensors (perf/step.py, fast paths as on CUDA) and perf/launch.py records each launch's
 kernel, argument types and options; every distinct one is compiled. Needs triton (the version of
 requirements-interpret.txt; `--triton_path=.interpret` when it is installed there).
 """
@@ -75,7 +75,7 @@ def launches(config, schemes, batch_size):
     """{key: (module, kernel, args, options, label)} of every distinct launch of a training micro-step."""
     import importlib
     import perf.step as step
-    from fast.launch import Recorder
+    from perf.launch import Recorder
     from model import GPTConfig
     shape = step.shape_of(config)
     batch = batch_size or shape.pop('batch_size')
