@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+from dataclasses import replace
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -307,6 +309,53 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
     return out
 
 
+def probe_depths(cfg):
+    """Three depths L, 2L, 3L below cfg.n_layer at which GPT(cfg) is the same scheme (it builds, and
+    its notes, e.g. Block AttnRes in blocks of one sublayer, are the full depth's), the smallest
+    such L; None when 3L reaches cfg.n_layer (probe the model itself). Built on the meta device."""
+    def notes(L):
+        try:
+            with torch.device('meta'):
+                return GPT(replace(cfg, n_layer=L)).residual.notes()
+        except ValueError:
+            return None
+    full = notes(cfg.n_layer)
+    step = next((L for L in range(1, cfg.n_layer // 3 + 1) if notes(L) == full and notes(2 * L) == full
+                 and notes(3 * L) == full), None)
+    return None if step is None or 3 * step >= cfg.n_layer else (step, 2 * step, 3 * step)
+
+
+def train_memory_by_depth(cfg, batch, seq_len, device='cpu', dtype='float32', fast=None, compiled=False,
+                          depths=None):
+    """train_memory of GPTConfig `cfg` measured on three shallower copies (probe_depths: L, 2L, 3L
+    blocks) and extrapolated to cfg.n_layer: each part that is not 16 bytes per parameter
+    (autocast's weight copies, the activations and the backward's peak at each micro-batch) is
+    fitted as a + b L + c L² (exact for bytes that grow with depth as a block's activations do,
+    or as the square of it, as the depth sources every AttnRes or MoDA block reads); the
+    parameters are counted on the meta device. The probes then hold three shallow models, not
+    the full one: the plan of a model too large to probe whole. Same dict as train_memory."""
+    import numpy as np
+    depths = depths or probe_depths(cfg)
+    plans = {L: train_memory(replace(cfg, n_layer=L), batch, seq_len, device, dtype, fast=fast, compiled=compiled)
+             for L in depths}
+    with torch.device('meta'):
+        n = GPT(cfg).num_params()
+    at = lambda ys: float(np.polyval(np.polyfit(list(depths), ys, 2), cfg.n_layer))  # noqa: E731
+
+    def rest(L, B):  # what the plan at depth L holds at micro-batch B beyond 16 bytes per parameter
+        return plans[L]['predict'](B) - 4 * plans[L]['params']
+
+    def predict(B):
+        """The predicted peak (bytes) at micro-batch B, same seq_len."""
+        return 16 * n + at([rest(L, B) for L in depths])
+    out = dict(params=4 * n, grads=4 * n, adamw=8 * n,
+               **{k: round(at([plans[L][k] for L in depths])) for k in ('weight_copies', 'activations', 'backward')})
+    out['total'] = sum(out.values())
+    out['per_sequence'] = predict(batch + 1) - predict(batch)
+    out['predict'] = predict
+    return out
+
+
 # -----------------------------------------------------------------------------
 # the plan against the device's memory: the micro-batch that fits, and the lines train.py prints
 
@@ -466,8 +515,14 @@ def plan_run(model, paths, batch, seq_len, accum, world_size, dtype, compiled, d
         raise ValueError(f"auto_batch=True needs the device's memory, which {dev.type} does not report: give "
                          f"--memory_gib=...")
     t = time.time()
-    mem = train_memory(model.config, batch, seq_len, dev, dtype, model=model, fast=paths, compiled=compiled)
-    say(format_memory(mem, device_bytes, what) + f" [probed in {time.time() - t:.0f} s]")
+    depths = probe_depths(model.config)  # a deep model: three shallow copies probed, not the model itself
+    if depths:
+        mem = train_memory_by_depth(model.config, batch, seq_len, dev, dtype, fast=paths, compiled=compiled,
+                                    depths=depths)
+    else:
+        mem = train_memory(model.config, batch, seq_len, dev, dtype, model=model, fast=paths, compiled=compiled)
+    say(format_memory(mem, device_bytes, what) + f" [probed in {time.time() - t:.0f} s"
+        + (f" at depths {', '.join(map(str, depths))}, extrapolated]" if depths else "]"))
     if auto_batch:
         batch, accum = auto_micro_batch(batch * accum, mem['predict'], AUTO_BATCH_FILL * device_bytes)
         say(f"auto_batch: micro-batch {batch}, gradient_accumulation_steps {accum}")
@@ -487,8 +542,8 @@ def out_of_memory(exc):
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         compiling = compiling or type(exc).__module__.startswith(('torch._dynamo', 'torch._inductor'))
-        if isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError)
-                                                        and 'out of memory' in str(exc).lower()):
+        if isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and any(
+                w in str(exc).lower() for w in ('out of memory', "can't allocate memory"))):  # CUDA's, the CPU's
             return exc, compiling
         exc = getattr(exc, 'inner_exception', None) or exc.__cause__ or exc.__context__
     return None, False
@@ -593,7 +648,9 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=N
         paths = fastpath.setup(model, on, device)
     except fastpath.FastPathMismatch as e:
         raise ValueError(str(e)) from None
-    mem = train_memory(cfg, B, T, device, dtype, model=model, fast=paths, compiled=compiled)
+    depths = probe_depths(cfg)  # as train.py plans: a deep model through three shallow copies
+    mem = train_memory_by_depth(cfg, B, T, device, dtype, fast=paths, compiled=compiled, depths=depths) if depths \
+        else train_memory(cfg, B, T, device, dtype, model=model, fast=paths, compiled=compiled)
     print(format_memory(mem))
     if budget_gib is not None:
         b, acc = auto_micro_batch(B * ns['gradient_accumulation_steps'], mem['predict'],
