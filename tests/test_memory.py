@@ -555,14 +555,14 @@ def test_auto_batch_on_a_cpu_fits_the_free_memory(headline_data, tmp_path):
 # a plan that fits in memory: deep models probed through three shallow copies
 
 
-@pytest.mark.parametrize('residual, kw, within', [('preln', {}, 1e-9), ('hc', {}, 1e-9), ('attnres', {}, 0.02),
+@pytest.mark.parametrize('residual, kw, within', [('preln', {}, 1e-9), ('hc', {}, 1e-9), ('attnres', {}, 0.05),
                                                   ('blockattnres', {'attnres_blocks': 4}, 1e-9),
                                                   ('moda', {}, 0.06)])
 def test_a_deep_model_planned_from_three_shallow_copies_matches_its_own_probe(residual, kw, within):
     """L = 16 planned at depths L0, 2 L0, 3 L0 (the smallest at which the scheme is itself: Block
     AttnRes in 4 blocks needs 2L a multiple of 4, L0 = 4) and extrapolated in depth: the total and
     the prediction at another micro-batch equal the whole model's probe (exactly where the bytes
-    grow with depth as a polynomial of degree 2; AttnRes's within 2%, MoDA's within 6%: docs/gpu.md)."""
+    grow with depth as a polynomial of degree 2; AttnRes's and MoDA's within 6%: docs/gpu.md)."""
     cfg = GPTConfig(n_layer=16, n_embd=64, n_head=4, block_size=96, vocab_size=300, residual=residual, **kw)
     depths = memory.probe_depths(cfg)
     assert depths == ((4, 8, 12) if residual == 'blockattnres' else (1, 2, 3))
