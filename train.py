@@ -22,7 +22,8 @@ $ python train.py --out_dir=out/main/attnres_L32 --init_from=resume
 
 Outputs in out_dir: ckpt.pt (latest checkpoint), ckpt_best.pt (lowest validation loss),
 metrics.jsonl, summary.json, train.lock; checkpoint.py writes, seals and reads them, and
-docs/training.md says what a run keeps and how it stops on a fault.
+docs/training.md says what a run keeps and how it stops on a fault. What it refuses before its
+first step (settings, out_dir, device, data, resume), each in one line: plan/checks.py.
 """
 
 import os

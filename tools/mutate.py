@@ -20,6 +20,7 @@ Runs with OMP_NUM_THREADS=1 (mutmut forks its workers from one process that has 
 """
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -65,6 +66,12 @@ def main(argv):
     name = module.removesuffix('.py').replace('/', '.').removesuffix('.__init__')
     if rest and rest[0] == '--results':
         return results(name)
+    # mutants/ holds one module's mutants and results: another module's are cleared first
+    stamp = ROOT / 'mutants' / 'MODULE'
+    if (ROOT / 'mutants').exists() and (not stamp.exists() or stamp.read_text() != module):
+        shutil.rmtree(ROOT / 'mutants')
+    stamp.parent.mkdir(exist_ok=True)
+    stamp.write_text(module)
     return cli(['run', f"{name}.*", *rest], standalone_mode=False) or 0
 
 
