@@ -67,7 +67,9 @@ def test_a_beta_out_of_range_says_what_the_beta_is():
         "error: beta1=1.5 must be in [0, 1) (AdamW's decay rate of the gradient's mean)"
     assert refused(checks.settings, dict(DEFAULTS, beta2=-0.1)) == \
         "error: beta2=-0.1 must be in [0, 1) (AdamW's decay rate of its square)"
-    assert 'must be > 0' in refused(checks.settings, dict(DEFAULTS, memory_gib=-1))
+    assert refused(checks.settings, dict(DEFAULTS, memory_gib=-1)) == \
+        "error: memory_gib=-1 must be > 0 (the memory the plan is held against, in GiB)"
+    assert refused(checks.settings, dict(DEFAULTS, batch_size=0)) == "error: batch_size=0 must be >= 1"
 
 
 @pytest.mark.parametrize('key, value, words', [('init_from', 'resum', "init_from='resum'"),
@@ -81,7 +83,10 @@ def test_auto_batch_under_fsdp_and_wandb_without_the_package(monkeypatch):
     assert 'auto_batch=True plans an unsharded model' in refused(checks.settings,
                                                                  dict(DEFAULTS, auto_batch=True, fsdp=True))
     import importlib.util
-    monkeypatch.setattr(importlib.util, 'find_spec', lambda name: None)
+    find = importlib.util.find_spec
+    if find('wandb') is not None:  # installed: taken
+        assert checks.settings(dict(DEFAULTS, wandb_log=True)) is None
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name: None if name == 'wandb' else find(name))
     assert 'pip install wandb' in refused(checks.settings, dict(DEFAULTS, wandb_log=True))
 
 
@@ -91,6 +96,14 @@ def test_an_out_dir_that_is_a_file_or_lies_under_one_is_refused(tmp_path):
     assert f"{f} is a file, not a folder" in refused(checks.out_dir, str(f))
     assert f"{f} is a file, not a folder" in refused(checks.out_dir, str(f / 'run' / 'deeper'))
     assert checks.out_dir(str(tmp_path / 'new' / 'run')) is None and not (tmp_path / 'new').exists()  # creates nothing
+
+
+def test_an_out_dir_this_user_cannot_write_is_named_as_such(tmp_path, monkeypatch):
+    """No write permission on a writable file system: 'not writable by this user', not 'read-only'
+    (the read-only mount itself: test_train_refuses_an_out_dir_on_a_read_only_file_system)."""
+    monkeypatch.setattr(os, 'access', lambda path, mode: False)
+    msg = refused(checks.out_dir, str(tmp_path / 'run'))
+    assert f"{tmp_path} is not writable by this user" in msg and 'read-only' not in msg
 
 
 def test_token_id_equal_to_the_vocab_size_is_refused_one_below_is_not(tmp_path, monkeypatch):
@@ -104,6 +117,7 @@ def test_token_id_equal_to_the_vocab_size_is_refused_one_below_is_not(tmp_path, 
     assert 'holds token id 257, past the model\'s vocab_size=257' in refused(checks.token_ids, [str(path)], 257, {},
                                                                             'meta.json')
     assert checks.token_ids([str(path)], 258, {}, 'meta.json') is None
+    assert checks.token_ids([str(path)], 258, {'vocab_size': 258}, 'meta.json') is None  # the data's own size
     assert 'smaller than the data' in refused(checks.token_ids, [str(path)], 258, {'vocab_size': 300}, 'meta.json')
 
 
@@ -129,7 +143,9 @@ def test_gpu_sized_note_at_its_two_limits():
     """50M parameters and 65,536 tokens per iteration are still a CPU run; one past either is not."""
     assert checks.gpu_sized(64, 2, 257, None, 65536) is None
     assert 'sized for a GPU' in checks.gpu_sized(64, 2, 257, None, 65537)
-    assert 'sized for a GPU' in checks.gpu_sized(1024, 32, 50280, None, 1024)
+    # d = 1024: SwiGLU 16 ceil(8d/3/16) = 2736; 32 (4 d^2 + 3 d 2736) + 2 x 50280 d = 506,150,912 parameters
+    assert 'about 506M parameters' in checks.gpu_sized(1024, 32, 50280, None, 1024)
+    assert 'about 338M parameters' in checks.gpu_sized(1024, 32, 50280, 1024, 1024)  # 32 x 7 d^2 + 2 x 50280 d
 
 
 # -----------------------------------------------------------------------------

@@ -712,3 +712,30 @@ def test_the_twin_draws_gains_and_queries_at_random(name):
     assert (twin.residual.layers[1].mlp_mix.get_parameter(name) < 0).any()
     with pytest.raises(fast.FastPathMismatch, match='planted_abs'):
         fast.check(make('attnres'), [planted('planted_abs', 'read', read_with_abs(name))], 'cpu')
+
+
+def read_rounded_to_bf16(self, sources, mixer):
+    """AttnRes.read whose output is rounded to bf16 under autocast, as fla's kernel writes it."""
+    z, a = residuals.AttnRes.read(self, sources, mixer)
+    return (z.bfloat16().float() if torch.is_autocast_enabled(z.device.type) else z), a
+
+
+def test_a_declared_rounding_is_held_against_the_plain_read_rounded_the_same():
+    """A fast path declared in_run_dtype (fla's: reads and writes in the run's dtype) is compared
+    with the plain read given and giving bf16-rounded tensors, and one bf16 ulp beside the 3x:
+    the read rounded to bf16 passes so; the same path undeclared is refused."""
+    decl = fast.FastPath('planted_declared', residuals.AttnRes, 'read', read_rounded_to_bf16, 'planted',
+                         in_run_dtype=True)
+    fast.check_autocast(make('attnres'), [decl], 'cpu', torch.bfloat16)
+    with pytest.raises(fast.FastPathMismatch, match='planted_undeclared'):
+        fast.check_autocast(make('attnres'), [planted('planted_undeclared', 'read', read_rounded_to_bf16)], 'cpu',
+                            torch.bfloat16)
+
+
+def test_resolve_reads_the_strings_a_command_line_gives():
+    assert [fast.resolve(s, 'cpu') for s in ('False', 'false', 'True', 'true', 'auto')] == [False, False, True, True,
+                                                                                             False]
+    assert fast.resolve('auto', 'cuda') is True
+    assert fast.describe([]) == 'fast paths: off (the plain code of residuals.py)'
+    p = fast.FAST_PATHS[1]
+    assert fast.describe([p]) == f'fast paths: {p.name} ({p.runs}) - checked against residuals.py'
