@@ -258,3 +258,89 @@ def test_a_plain_pickle_is_called_a_plain_pickle_not_damaged(tmp_path):
     with pytest.raises(Exception) as e:
         torch.load(junk, weights_only=True)
     assert untrusted.describe_load_error(e.value, junk) is None  # damaged: the caller says so
+
+
+# -----------------------------------------------------------------------------
+# the one line of a signal, by case (the runs themselves: tests/test_run_directory.py, test_signals.py)
+
+@pytest.mark.parametrize('case, signum, where, resume_iter, init_from, eval_only, line', [
+    ('eval', signal.SIGINT, None, None, 'resume', True, 'interrupted (eval_only: nothing was written)'),
+    ('start', signal.SIGTERM, None, None, 'scratch', False,
+     'terminated (SIGTERM) before training started; no checkpoint was written: run the same command again'),
+    ('start-resume', signal.SIGINT, None, 4, 'resume', False,
+     'interrupted before training started; nothing was changed: the same command resumes from {ckpt}'),
+    ('no-checkpoint', signal.SIGTERM, 3, None, 'scratch', False,
+     'terminated (SIGTERM) at iteration 3, before the first checkpoint: nothing to resume; run the same command again'),
+    ('one-lost', signal.SIGINT, 5, 4, 'scratch', False,
+     'interrupted at iteration 5; a resume (--init_from=resume) starts from iteration 4, the last checkpoint ({ckpt}): '
+     '1 iteration will run again'),
+    ('many-lost', signal.SIGTERM, 9, 4, 'scratch', False,
+     'terminated (SIGTERM) at iteration 9; a resume (--init_from=resume) starts from iteration 4, the last checkpoint '
+     '({ckpt}): 5 iterations will run again'),
+    ('none-lost', signal.SIGTERM, 4, 4, 'scratch', False,
+     'terminated (SIGTERM) at iteration 4; a resume (--init_from=resume) starts from iteration 4, the last checkpoint '
+     '({ckpt})'),
+])
+def test_each_moment_of_a_signal_has_its_line(case, signum, where, resume_iter, init_from, eval_only, line, tmp_path,
+                                             run_state, capsys):
+    run_state.update(out_dir=str(tmp_path), init_from=init_from, eval_only=eval_only, where=lambda: where,
+                     master=True, resume_iter=resume_iter, defer=False, pending=None)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as e:
+            checkpoint.on_signal(signum)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert e.value.code == 128 + signum
+    assert capsys.readouterr().out == line.format(ckpt=tmp_path / 'ckpt.pt') + '\n'
+
+
+def test_a_flipped_checkpoint_names_the_verified_one_beside_it(tmp_path):
+    checkpoint.save_checkpoint(str(tmp_path / 'ckpt.pt'), whole())
+    checkpoint.save_checkpoint(str(tmp_path / 'ckpt_best.pt'), whole())
+    flip(tmp_path / 'ckpt.pt', 1000)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_checkpoint(tmp_path / 'ckpt.pt')
+    assert str(e.value).endswith(f"use {tmp_path / 'ckpt_best.pt'} instead (it verifies), or restore a good copy")
+
+
+def test_a_checkpoint_lacking_parts_names_them(tmp_path):
+    part = {k: v for k, v in whole().items() if k not in ('model_args', 'iter_num')}
+    checkpoint.save_checkpoint(str(tmp_path / 'ckpt.pt'), part)
+    with pytest.raises(checkpoint.CheckpointError, match=r'ckpt\.pt lacks model_args, iter_num: not a whole'):
+        checkpoint.load_checkpoint(tmp_path / 'ckpt.pt', parts=('model', 'model_args', 'iter_num', 'config'))
+
+
+def test_a_compiled_models_state_dict_loads(tmp_path):
+    """torch.compile prefixes every key with '_orig_mod.': load_model takes it off."""
+    ck = whole()
+    ck['model'] = {f'_orig_mod.{k}': v for k, v in ck['model'].items()}
+    checkpoint.save_checkpoint(str(tmp_path / 'ckpt.pt'), ck)
+    model, _ = checkpoint.load_model(tmp_path / 'ckpt.pt')
+    assert torch.equal(model.lm_head.weight, whole()['model']['lm_head.weight'])
+
+
+def test_without_hard_links_the_best_state_is_a_verified_copy(tmp_path, monkeypatch):
+    def no_link(a, b):
+        raise OSError(1, 'hard links not supported')
+    monkeypatch.setattr(os, 'link', no_link)
+    checkpoint.save_checkpoint(str(tmp_path / 'ckpt.pt'), whole(), best=True)
+    assert not os.path.samefile(tmp_path / 'ckpt.pt', tmp_path / 'ckpt_best.pt')
+    assert (tmp_path / 'ckpt.pt').read_bytes() == (tmp_path / 'ckpt_best.pt').read_bytes()
+    assert checkpoint.verify(tmp_path / 'ckpt_best.pt') and sorted(p.name for p in tmp_path.iterdir()) == \
+        ['ckpt.pt', 'ckpt_best.pt']
+
+
+def test_a_killed_runs_one_partial_file_is_named_in_the_singular(tmp_path):
+    (tmp_path / 'ckpt.pt.123.tmp').write_bytes(b'x' * 2_000_000)
+    (tmp_path / 'notes.txt.123.tmp').write_bytes(b'not the run\'s')
+    said = []
+    checkpoint.remove_stale_temp(str(tmp_path), locked=True, say=said.append)
+    assert said == [f"removed 1 partial file that a killed run left mid-write in {tmp_path}: ckpt.pt.123.tmp (2.0 MB)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['notes.txt.123.tmp']
+
+
+def test_json_is_written_indented(tmp_path):
+    checkpoint.write_json(str(tmp_path / 's.json'), {'a': [1]})
+    assert (tmp_path / 's.json').read_text() == '{\n "a": [\n  1\n ]\n}'
