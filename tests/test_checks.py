@@ -186,10 +186,11 @@ def test_train_refuses_an_out_dir_on_a_read_only_file_system(data_dir, tmp_path)
     one_line_error(r, f'{ro} is on a read-only file system', 'an --out_dir you can write to')
 
 
-def test_train_refuses_a_config_file_that_is_not_utf8(tmp_path):
+def test_train_refuses_a_config_file_that_is_not_utf8(data_dir, tmp_path):
     cfg = tmp_path / 'latin1.py'
     cfg.write_bytes('# réglages\nn_layer = 2\n'.encode('latin-1'))
-    one_line_error(train(str(cfg), '--device=cpu', check=False), 'is not UTF-8 text (byte 3)', str(cfg))
+    r = train(str(cfg), *TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "run"}', '--max_iters=1', check=False)
+    one_line_error(r, 'is not UTF-8 text (byte 3)', str(cfg))
 
 
 @pytest.mark.parametrize('text, words', [("batch_size = float('inf')\n", "batch_size = inf must be a whole number"),
