@@ -181,3 +181,16 @@ def test_each_accelerator_row_is_its_datasheet():
         spec = step.SPECS[name]
         assert (spec['peak'], spec['bandwidth'], spec['memory']) == pytest.approx((peak, bandwidth, memory), rel=1e-3)
         assert dict(model.PEAK_FLOPS)[name] == pytest.approx(spec['peak'], rel=1e-3)
+
+
+def test_the_per_op_table_adds_up_to_the_step_and_names_aten_ops():
+    """count_step's by_op (kernels, bytes, FLOPs per op name, the table docs/performance.md
+    prints) sums to its totals, its ops list holds one (FLOPs, bytes) per kernel, and the names
+    are aten's without the prefix ('mm', 'bmm' or 'addmm' for the matrix products)."""
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    c = step.count_step(cfg, 2, 16, fast_paths='off', dtype=None)
+    rows = c['by_op'].values()
+    assert c['kernels'] > 0 and sum(k for k, _, _ in rows) == c['kernels'] == len(c['ops'])
+    assert sum(b for _, b, _ in rows) == c['bytes'] == sum(b for _, b in c['ops'])
+    assert sum(f for _, _, f in rows) == c['flops'] == sum(f for f, _ in c['ops']) > 0
+    assert not any(name.startswith('aten.') for name in c['by_op']) and {'mm', 'addmm', 'bmm'} & set(c['by_op'])
