@@ -9,7 +9,7 @@ fails on survives: a bug the suite cannot see.
     python tools/mutate.py checkpoint.py            # minutes on 2 cores
     python tools/mutate.py checkpoint.py --max-children=2
     python tools/mutate.py --list                   # the modules and the tests that cover each
-    .mutmut/bin/mutmut show checkpoint.x_verify__mutmut_7   # (or mutmut show ...) one mutant's diff
+    mutmut show checkpoint.x_verify__mutmut_7       # one mutant's diff (in the repository's root)
     python tools/mutate.py checkpoint.py --results  # killed / survived per module, the survivors named
     python tools/mutate.py checkpoint.py --sample   # every tenth mutant of every function (1, 11, 21, ...)
 
@@ -37,7 +37,7 @@ MODULES = {
                        'or probe_shapes or fit_message or cgroup or cpu_memory or probe_depths or weights_grads'],
     'perf/step.py': ['tests/test_step.py', '-k', 'not bench_step_suite'],
     'fast/__init__.py': ['tests/test_fast.py', '-k', 'guard or twin or resolve or setup_enables or cuda_kernel or '
-                         'tolerance or floor or autocast_factor or softmax_in_bf16'],
+                         'tolerance or floor or autocast_factor or softmax_in_bf16 or declared'],
 }
 
 
