@@ -5,7 +5,6 @@ at or past max_iters, a bool given for a float setting, the byte tokenizer's end
 Each test names the bug it catches. Run: python -m pytest tests/test_boundaries.py -q"""
 
 import json
-import math
 import sys
 from pathlib import Path
 
