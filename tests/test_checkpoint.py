@@ -344,3 +344,33 @@ def test_a_killed_runs_one_partial_file_is_named_in_the_singular(tmp_path):
 def test_json_is_written_indented(tmp_path):
     checkpoint.write_json(str(tmp_path / 's.json'), {'a': [1]})
     assert (tmp_path / 's.json').read_text() == '{\n "a": [\n  1\n ]\n}'
+
+
+def test_a_refusal_is_found_as_a_cause_in_a_wrapper_and_named_from_torchs_message(tmp_path):
+    """Where a refusal hides: the __cause__ of a wrapper (after a None __context__), the
+    {rank: (exception, traceback)} failures of torch.distributed.checkpoint's wrapper, and torch's
+    own weights-only message, which names the global after 'GLOBAL'."""
+    def wrapped():
+        try:
+            raise RuntimeError('reading failed') from untrusted.RefusedGlobal('posix.system')
+        except RuntimeError as e:
+            return e
+    e = wrapped()
+    assert e.__context__ is None and untrusted.refused_global(e) == 'posix.system'
+
+    class CheckpointException(Exception):  # torch.distributed.checkpoint's: failures by rank
+        def __init__(self, failures):
+            super().__init__('a rank failed')
+            self.failures = failures
+    assert untrusted.refused_global(CheckpointException({0: (untrusted.RefusedGlobal('builtins.exec'), 'tb')})) == \
+        'builtins.exec'
+    assert untrusted.refused_global(CheckpointException({1: untrusted.RefusedGlobal('os.system')})) == 'os.system'
+    assert untrusted.refused_global(CheckpointException({0: (ValueError('io'), 'tb')})) is None
+    path = tmp_path / 'code.pt'
+    torch.save({'x': Planted(os.system, 'true')}, path)
+    with pytest.raises(pickle.UnpicklingError) as e:
+        torch.load(path, weights_only=True)
+    assert untrusted.refused_global(e.value) == 'posix.system'
+    assert untrusted.describe_load_error(e.value, path) == (
+        f"{path} holds code or unknown classes (posix.system): refused, nothing in it was run; get the file again "
+        f"from a source you trust")
