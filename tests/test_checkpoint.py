@@ -374,3 +374,19 @@ def test_a_refusal_is_found_as_a_cause_in_a_wrapper_and_named_from_torchs_messag
     assert untrusted.describe_load_error(e.value, path) == (
         f"{path} holds code or unknown classes (posix.system): refused, nothing in it was run; get the file again "
         f"from a source you trust")
+
+
+def test_the_scanner_reads_zip_members_and_protocol_4_names_from_the_memo(tmp_path):
+    """pickle_globals reads opcodes only. A torch.save zip: its data.pkl member (GLOBAL opcodes);
+    a protocol-4 pickle.dump: STACK_GLOBAL, whose module string the second time is fetched from
+    the memo (MEMOIZE, BINGET), so builtins.eval is only found by following the memo."""
+    z = tmp_path / 'z.pt'
+    torch.save({'w': torch.zeros(2), 'x': Planted(builtins.exec, '1')}, z)
+    assert untrusted.pickle_globals(z)[-1] == '__builtin__.exec'
+    p = tmp_path / 'p.pkl'
+    with open(p, 'wb') as f:
+        pickle.dump({'a': Planted(builtins.exec, '1'), 'b': Planted(builtins.eval, '2')}, f, protocol=4)
+    assert untrusted.pickle_globals(p) == ['builtins.exec', 'builtins.eval']
+    with pytest.raises(Exception) as e:
+        torch.load(z, weights_only=True)
+    assert 'unknown classes (__builtin__.exec)' in untrusted.describe_load_error(e.value, z)  # torch said 'exec'
