@@ -201,7 +201,7 @@ if data_dir is None:  # data/<dataset>; a fresh clone's prepared from the embedd
     data_dir = default_data_dir(dataset, prepare=master, say=print0)
     if ddp:
         dist.barrier()
-meta, vocab_size = checks.data(data_dir, block_size, vocab_size)  # meta.json, val.bin long enough, the vocabulary
+meta, vocab_size = checks.data(data_dir, block_size, vocab_size, named=config['data_dir'] is not None)
 meta_path, train_path, val_path = (os.path.join(data_dir, f) for f in ('meta.json', 'train.bin', 'val.bin'))
 train_loader = TokenLoader(train_path, batch_size, block_size, rank, world_size, seed, device=device)
 
@@ -381,7 +381,7 @@ def shutdown():
 
 
 if eval_only:
-    print0(f"val loss {estimate_val_loss():.4f}" + " (untrained weights: init_from='scratch')" * (init_from == 'scratch'))
+    print0(f"val loss {estimate_val_loss():.4f}" + " (untrained weights: init_from='scratch')" * (init_from != 'resume'))
     shutdown()
     sys.exit(0)
 

@@ -155,12 +155,13 @@ def gpu_sized(n_embd, n_layer, vocab_size, ffn_hidden, tokens_per_iter):
             f"config/cpu_preln.py (minutes in all), or a config/mini/ config")
 
 
-def data(data_dir, block_size, vocab_size):
+def data(data_dir, block_size, vocab_size, named=True):
     """(meta.json of data_dir as a dict, {} when absent; the vocab_size: the given one, else
-    meta.json's). Refuses a missing data_dir, a meta.json that is not a JSON object with an
-    integer vocab_size, a missing, empty or odd-sized train.bin or val.bin, a val.bin shorter than
+    meta.json's). Refuses a data_dir the user named (`named`) that does not exist, a meta.json
+    that is not a JSON object with an integer vocab_size, a missing, empty or odd-sized train.bin
+    or val.bin (for data/<dataset>: the line says how to prepare it), a val.bin shorter than
     block_size + 1 tokens, no vocab_size anywhere."""
-    if not os.path.isdir(data_dir):
+    if named and not os.path.isdir(data_dir):
         fail(f"data_dir={data_dir!r} does not exist: prepare data there with "
              f"python data/fineweb_edu/prepare.py --input FILES --out_dir={data_dir}")
     meta_path, meta = os.path.join(data_dir, 'meta.json'), {}
