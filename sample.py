@@ -34,6 +34,7 @@ from model import KVCache
 # default config values
 init_from = 'resume'  # 'resume' (out_dir/ckpt.pt) or the path of a checkpoint file
 out_dir = 'out'  # the run to sample from when init_from='resume'
+allow_unsealed = False  # read a checkpoint without a seal (another tool's), unverified
 start = '\n'  # the prompt; or 'FILE:path' to read it from a UTF-8 file; '' starts a new document
 num_samples = 3  # number of samples
 max_new_tokens = 200  # tokens generated per sample
@@ -122,8 +123,8 @@ def main(argv):
     """Parse argv (config files and --key=value, as train.py), load the checkpoint and print
     num_samples samples, each followed by a line of dashes. Returns the list of sample texts
     (prompt included). Raises SystemExit with a one-line message for a bad input."""
-    keys = ['init_from', 'out_dir', 'start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k', 'seed',
-            'device', 'dtype', 'tokenizer', 'fast', 'kv_cache']
+    keys = ['init_from', 'out_dir', 'allow_unsealed', 'start', 'num_samples', 'max_new_tokens', 'temperature',
+            'top_k', 'seed', 'device', 'dtype', 'tokenizer', 'fast', 'kv_cache']
     g = {k: globals()[k] for k in keys}
     try:
         configure(g, keys, argv, help_text=comments_from_source(__file__), none_types=NONE_TYPES)
@@ -141,7 +142,7 @@ def main(argv):
         raise SystemExit(f"error: device={dev!r} but CUDA is not available here: use --device=cpu")
     path = checkpoint_path(g['init_from'], g['out_dir'])
     try:
-        model, ckpt = load_model(path, device=dev, fast=g['fast'])
+        model, ckpt = load_model(path, device=dev, fast=g['fast'], unsealed=g['allow_unsealed'])
         tok_name = g['tokenizer'] or ckpt.get('tokenizer') or tokenizer_name_for(ckpt)
         tok = get_tokenizer(tok_name)
         if tok.n_vocab > model.config.vocab_size:

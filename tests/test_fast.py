@@ -646,3 +646,154 @@ def test_cast_once_gives_each_read_the_gradient_of_its_own_cast():
     u.mul_(2)
     torch.testing.assert_close(cast_once(u, torch.bfloat16).float(), torch.full((3,), 2.0), rtol=0, atol=0)
     assert first.float().eq(1).all()
+
+
+# -----------------------------------------------------------------------------
+# the guard at its boundaries: NaN and inf, just past each tolerance, a low-precision softmax,
+# gains and queries that a twin of ones would hide
+
+def read_times(factor):
+    """AttnRes.read with z times `factor` (nan, inf, or 1 + a relative error)."""
+    def read(self, sources, mixer):
+        z, a = residuals.AttnRes.read(self, sources, mixer)
+        return z * factor, a
+    return read
+
+
+@pytest.mark.parametrize('value', [float('nan'), float('inf')])
+def test_the_guard_refuses_a_fast_path_that_returns_nan_or_inf(value):
+    """A NaN error compares False with everything: `err > tol` would let it through, `not err <=
+    tol` does not. Under autocast too."""
+    bad = planted('planted_nan', 'read', read_times(value))
+    with pytest.raises(fast.FastPathMismatch, match='planted_nan'):
+        fast.check(make('attnres'), [bad], 'cpu')
+    with pytest.raises(fast.FastPathMismatch, match='planted_nan'):
+        fast.check_autocast(make('attnres'), [bad], 'cpu', torch.bfloat16)
+
+
+def read_plus(eps):
+    """AttnRes.read with eps times z rolled by one channel added (a scale change alone would be
+    undone by the norm that reads z)."""
+    def read(self, sources, mixer):
+        z, a = residuals.AttnRes.read(self, sources, mixer)
+        return z + eps * z.roll(1, -1), a
+    return read
+
+
+def test_the_fp64_tolerance_refuses_an_error_just_above_it():
+    """eps = 1e-10 added to z is a relative error of 2e-9 to 1e-8 on the twin's worst tensor:
+    refused, the tolerance being 1e-9 in fp64 (a tolerance 10x looser would take it). (Below that,
+    any change to the read's arithmetic leaves ~3e-9 on the embedding's gradient, which is small
+    by cancellation: the just-inside side is the relative floor's test below.)"""
+    with pytest.raises(fast.FastPathMismatch, match=r'planted_1e-10 .*relative error [2-9]\.\de-09 > 1e-09'):
+        fast.check(make('attnres'), [planted('planted_1e-10', 'read', read_plus(1e-10))], 'cpu')
+
+
+def read_query_gradient_off(rel):
+    """AttnRes.read exact, but the gradient of block 2's MLP read query (whose largest entry is
+    ~1% of the largest gradient on the twin) off by `rel` relative to itself."""
+    def read(self, sources, mixer):
+        if mixer is self.layers[2].mlp_mix and torch.is_grad_enabled():
+            mixer.query.register_hook(lambda g: g * (1 + rel))
+        return residuals.AttnRes.read(self, sources, mixer)
+    return read
+
+
+def test_the_relative_floor_does_not_hide_an_error_in_a_small_gradient():
+    """Each tensor's error is relative to its own largest entry, floored at 1e-3 of the largest
+    of all (the twin's: this query's gradient is ~1.4e-2 of it, above the floor): 3e-9 on it is
+    refused, 5e-10 taken. A floor 100x looser (1e-1) would divide the error by ~7 and take 3e-9."""
+    model = make('attnres')
+    with pytest.raises(fast.FastPathMismatch, match=r'layers\.2\.mlp_mix\.query'):
+        fast.check(model, [planted('planted_query', 'read', read_query_gradient_off(3e-9))], 'cpu')
+    fast.check(model, [planted('planted_query', 'read', read_query_gradient_off(5e-10))], 'cpu')
+
+
+def read_plains_error_times(m):
+    """Under autocast: AttnRes.read whose output (and so its gradients) is m times the plain
+    read's own distance from its fp64 value: z64 + m (z - z64), z64 the read in fp64 on the
+    same parameters (reparametrised as float64 views, so the gradients flow to them)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    def read(self, sources, mixer):
+        z, a = residuals.AttnRes.read(self, sources, mixer)
+        if not torch.is_autocast_enabled(z.device.type):
+            return z, a
+        with torch.autocast(z.device.type, enabled=False), \
+                _reparametrize_module(self, {n: p.double() for n, p in self.named_parameters()}):
+            z64, _ = residuals.AttnRes.read(self, [s.double() for s in sources], mixer)
+        return (z64 + m * (z.double() - z64)).to(z.dtype), a
+    return read
+
+
+def test_the_autocast_factor_refuses_just_above_3x_and_takes_2x():
+    """Under bf16 autocast a fast path may be 3x as far from fp64 as the plain method (+ 1e-5):
+    5x is refused, 2x taken; a factor of 30 would take 5x."""
+    model = make('attnres')
+    with pytest.raises(fast.FastPathMismatch, match=r'planted_5x .* \(allowed 3x'):
+        fast.check_autocast(model, [planted('planted_5x', 'read', read_plains_error_times(5.0))], 'cpu',
+                            torch.bfloat16)
+    fast.check_autocast(model, [planted('planted_2x', 'read', read_plains_error_times(2.0))], 'cpu', torch.bfloat16)
+
+
+def read_with_a_bf16_softmax(self, sources, mixer):
+    """AttnRes.read, exact, that also runs a softmax on a bf16 tensor (no gradient through it)."""
+    z, a = residuals.AttnRes.read(self, sources, mixer)
+    return z + 0 * torch.softmax(z.detach().bfloat16(), dim=-1).float(), a
+
+
+def test_a_softmax_in_bf16_the_plain_read_does_not_run_is_refused():
+    """Its output and gradients are exact: only the watched normalisers (NORMALISERS: '_softmax')
+    refuse it, in one line naming the op."""
+    with pytest.raises(fast.FastPathMismatch, match=r'planted_softmax .*runs _softmax in bfloat16'):
+        fast.check_autocast(make('attnres'), [planted('planted_softmax', 'read', read_with_a_bf16_softmax)], 'cpu',
+                            torch.bfloat16)
+
+
+def read_with_abs(name):
+    """AttnRes.read with the mixer's parameter `name` (the key norm's gains, the pseudo-query)
+    replaced by its absolute value: the same on a twin whose gains and queries are 1."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    def read(self, sources, mixer):
+        with _reparametrize_module(mixer, {name: mixer.get_parameter(name).abs()}):
+            return residuals.AttnRes.read(self, sources, mixer)
+    return read
+
+
+@pytest.mark.parametrize('name', ['key_norm.weight', 'query'])
+def test_the_twin_draws_gains_and_queries_at_random(name):
+    """randomise draws every parameter, the 1-D ones (gains, pseudo-queries) included: a fast
+    path that took |gain| or |query| agrees with the plain read on a twin of ones, not on this one."""
+    twin = GPT(fast.twin_config(make('attnres').config))
+    fast.randomise(twin)
+    assert (twin.residual.layers[1].mlp_mix.get_parameter(name) < 0).any()
+    with pytest.raises(fast.FastPathMismatch, match='planted_abs'):
+        fast.check(make('attnres'), [planted('planted_abs', 'read', read_with_abs(name))], 'cpu')
+
+
+def read_rounded_to_bf16(self, sources, mixer):
+    """AttnRes.read whose output is rounded to bf16 under autocast, as fla's kernel writes it."""
+    z, a = residuals.AttnRes.read(self, sources, mixer)
+    return (z.bfloat16().float() if torch.is_autocast_enabled(z.device.type) else z), a
+
+
+def test_a_declared_rounding_is_held_against_the_plain_read_rounded_the_same():
+    """A fast path declared in_run_dtype (fla's: reads and writes in the run's dtype) is compared
+    with the plain read given and giving bf16-rounded tensors, and one bf16 ulp beside the 3x:
+    the read rounded to bf16 passes so; the same path undeclared is refused."""
+    decl = fast.FastPath('planted_declared', residuals.AttnRes, 'read', read_rounded_to_bf16, 'planted',
+                         in_run_dtype=True)
+    fast.check_autocast(make('attnres'), [decl], 'cpu', torch.bfloat16)
+    with pytest.raises(fast.FastPathMismatch, match='planted_undeclared'):
+        fast.check_autocast(make('attnres'), [planted('planted_undeclared', 'read', read_rounded_to_bf16)], 'cpu',
+                            torch.bfloat16)
+
+
+def test_resolve_reads_the_strings_a_command_line_gives():
+    assert [fast.resolve(s, 'cpu') for s in ('False', 'false', 'True', 'true', 'auto')] == [False, False, True, True,
+                                                                                             False]
+    assert fast.resolve('auto', 'cuda') is True
+    assert fast.describe([]) == 'fast paths: off (the plain code of residuals.py)'
+    p = fast.FAST_PATHS[1]
+    assert fast.describe([p]) == f'fast paths: {p.name} ({p.runs}) - checked against residuals.py'
