@@ -7,6 +7,7 @@ planner and --auto_batch use it; `python cost.py --memory=CONFIG` prints it for 
 import contextlib
 import math
 import os
+import re
 import sys
 import time
 
@@ -311,12 +312,14 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
 
 def probe_depths(cfg):
     """Three depths L, 2L, 3L below cfg.n_layer at which GPT(cfg) is the same scheme (it builds, and
-    its notes, e.g. Block AttnRes in blocks of one sublayer, are the full depth's), the smallest
-    such L; None when 3L reaches cfg.n_layer (probe the model itself). Built on the meta device."""
+    its notes read as the full depth's with their numbers aside: "4 blocks of 2 sublayers" is
+    "4 blocks of 8" at another depth, while Block AttnRes in blocks of one sublayer says it is Full
+    AttnRes), the smallest such L; None when 3L reaches cfg.n_layer (probe the model itself).
+    Built on the meta device."""
     def notes(L):
         try:
             with torch.device('meta'):
-                return GPT(replace(cfg, n_layer=L)).residual.notes()
+                return [re.sub(r'[0-9][0-9,]*', 'N', line) for line in GPT(replace(cfg, n_layer=L)).residual.notes()]
         except ValueError:
             return None
     full = notes(cfg.n_layer)

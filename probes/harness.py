@@ -12,7 +12,7 @@ is lm_eval's own command line (`python -m lm_eval`, the same arguments and table
 (it has no plugin entry point for models), so `python -m lm_eval --model depthbench` alone
 cannot see this one. model_args: ckpt (a checkpoint file or run directory), and optionally
 dtype (float32 | bfloat16 | float16), tokenizer, fast ('auto' | True | False), kv_cache (True |
-False), max_gen_toks (256); the device is the harness's --device (cuda:0 unless told; the CPU
+False), max_gen_toks (256), allow_unsealed (False: a checkpoint without a seal is refused); the device is the harness's --device (cuda:0 unless told; the CPU
 where there is no CUDA). From Python:
 
     import lm_eval
@@ -164,16 +164,17 @@ class DepthBenchLM(TemplateLM):
     block_size (max_length); longer requests keep their last tokens. Greedy generation
     (temperature 0 or do_sample False) is deterministic; sampling draws with seed 1234.
     batch_size: sequences per forward of the loglikelihood requests (an int; 'auto' is not
-    supported). Raises ValueError (one line) for a bad argument.
+    supported). allow_unsealed=True reads a checkpoint without a seal (another tool's), unverified.
+    Raises ValueError (one line) for a bad argument or a damaged, cut-off or unsealed checkpoint.
     """
 
     def __init__(self, ckpt=None, *, model=None, tokenizer=None, logits_fn=None, max_length=None, device=None,
                  batch_size=8, max_batch_size=None, dtype=None, fast='auto', kv_cache=True, max_gen_toks=256,
-                 seed=1234, **unused):
+                 seed=1234, allow_unsealed=False, **unused):
         super().__init__()
         if unused:
             raise ValueError(f"DepthBenchLM does not take {', '.join(sorted(unused))}; model_args: ckpt, device, "
-                             f"dtype, tokenizer, fast, kv_cache, max_gen_toks, batch_size")
+                             f"dtype, tokenizer, fast, kv_cache, max_gen_toks, batch_size, allow_unsealed")
         if device is not None and str(device).startswith('cuda') and not torch.cuda.is_available():
             # the harness's command line passes --device, cuda:0 unless told: as its HFLM, use the CPU
             print(f"DepthBenchLM: device {device} but CUDA is not available here: running on the CPU", file=sys.stderr)
@@ -182,7 +183,11 @@ class DepthBenchLM(TemplateLM):
             from checkpoint import load_model, tokenizer_name_for
             from sample import checkpoint_path
             device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
-            model, info = load_model(checkpoint_path(str(ckpt), ''), device=device, fast=fast)
+            try:
+                model, info = load_model(checkpoint_path(str(ckpt), ''), device=device, fast=fast,
+                                         unsealed=allow_unsealed in (True, 'True', 'true', '1'))
+            except ValueError as e:  # the loader names train.py's flag; the harness takes it in model_args
+                raise ValueError(str(e).replace('pass --allow_unsealed=True', 'add allow_unsealed=True to --model_args')) from None
             tokenizer = tokenizer or info.get('tokenizer') or tokenizer_name_for(info)
         if isinstance(tokenizer, (str, Path)):
             from data.tokenizer import get_tokenizer

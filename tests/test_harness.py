@@ -27,6 +27,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import fast  # noqa: E402
+from checkpoint import save_checkpoint  # noqa: E402
 import probe  # noqa: E402
 from data.tokenizer import get_tokenizer  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -172,11 +173,16 @@ def test_model_args_and_bad_input(tmp_path):
     model = byte_model(block_size=64)
     ckpt = tmp_path / 'run' / 'ckpt.pt'
     ckpt.parent.mkdir()
-    torch.save({'model': model.state_dict(), 'model_args': asdict(model.config), 'config': {'dataset': 'x'},
-                'iter_num': 0, 'tokenizer': 'byte'}, ckpt)
+    save_checkpoint(str(ckpt), {'model': model.state_dict(), 'model_args': asdict(model.config), 'config': {'dataset': 'x'},
+                'iter_num': 0, 'tokenizer': 'byte'})
     lm = DepthBenchLM.create_from_arg_string(f'ckpt={ckpt.parent},kv_cache=False', {'batch_size': '4', 'device': 'cpu'})
     assert (lm.kv_cache, lm.batch_size, lm.max_length, lm.tokenizer_name) == (False, 4, 64, 'byte')
     assert lm.get_model_info()['residual'] == 'attnres'
+    bare = tmp_path / 'bare.pt'  # another tool's file: no seal, refused in one line naming the model_arg
+    torch.save(torch.load(ckpt, weights_only=True), bare)
+    with pytest.raises(ValueError, match=r'^[^\n]*has no seal.*add allow_unsealed=True to --model_args[^\n]*$'):
+        DepthBenchLM.create_from_arg_string(f'ckpt={bare}', {'device': 'cpu'})
+    assert DepthBenchLM.create_from_arg_string(f'ckpt={bare},allow_unsealed=True', {'device': 'cpu'}).max_length == 64
     with pytest.raises(ValueError, match='does not take pretrained'):
         DepthBenchLM.create_from_arg_string(f'ckpt={ckpt},pretrained=gpt2')
     with pytest.raises(ValueError, match="batch_size='auto'"):
@@ -192,8 +198,8 @@ def test_the_command_line(tmp_path):
     """The documented command (docs/evaluation.md): a table with the task's acc."""
     model = byte_model()
     ckpt = tmp_path / 'ckpt.pt'
-    torch.save({'model': model.state_dict(), 'model_args': asdict(model.config), 'config': {'dataset': 'x'},
-                'iter_num': 0, 'tokenizer': 'byte'}, ckpt)
+    save_checkpoint(str(ckpt), {'model': model.state_dict(), 'model_args': asdict(model.config), 'config': {'dataset': 'x'},
+                'iter_num': 0, 'tokenizer': 'byte'})
     cmd = [sys.executable, '-m', 'probes.harness', '--model', 'depthbench', '--model_args', f'ckpt={ckpt}',
            '--tasks', 'depthbench_arc_easy', '--include_path', 'data/evals/harness', '--limit', '20', '--device', 'cpu']
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cost  # noqa: E402
 import fast  # noqa: E402
 import sample  # noqa: E402
+from checkpoint import save_checkpoint  # noqa: E402
 from model import GPT, GPTConfig, KVCache  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 
@@ -170,8 +171,8 @@ def test_sample_py_with_and_without_the_cache(tmp_path, capsys):
     from dataclasses import asdict
     model = make('moda', vocab_size=257)
     ckpt = tmp_path / 'ckpt.pt'
-    torch.save({'model': model.state_dict(), 'model_args': asdict(model.config), 'config': {'dataset': 'x'},
-                'iter_num': 0, 'tokenizer': 'byte'}, ckpt)
+    save_checkpoint(str(ckpt), {'model': model.state_dict(), 'model_args': asdict(model.config), 'config': {'dataset': 'x'},
+                'iter_num': 0, 'tokenizer': 'byte'})
     args = [f'--init_from={ckpt}', '--device=cpu', '--start=abc', '--num_samples=2', '--max_new_tokens=20',
             '--temperature=0']
     cached = sample.main(args)
