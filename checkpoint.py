@@ -20,7 +20,9 @@ Each checkpoint is sealed with its sha256 in the same file: torch.save's zip arc
 the 71-byte archive comment b'sha256:<64 hex>', the hash of every byte before it, so the
 hash is written and renamed with the file, and torch.load reads the file as before.
 load_checkpoint checks the seal before unpickling (a flipped byte, a cut-off file) and
-unpickles with weights_only=True (no code runs from a file a user loads).
+unpickles with weights_only=True (no code runs from a file a user loads). A file without a
+seal (plain torch.save, another tool's) cannot be verified: every reader refuses it in one line
+unless its user passes --allow_unsealed=True (UNSEALED_SETTING).
 """
 
 import errno
@@ -46,10 +48,16 @@ CHECKPOINT_PARTS = ('model', 'model_args', 'optimizer', 'iter_num', 'loader', 'r
 SEAL = b'sha256:'  # the archive comment: SEAL + the 64 hex digits of the sha256 of the bytes before it
 SEAL_LEN = len(SEAL) + 64
 EOCD = b'PK\x05\x06'  # a zip's end-of-central-directory record: 22 bytes, its comment's length in the last 2
+UNSEALED_SETTING = '--allow_unsealed=True'  # reads a file without a seal, unverified (train, probe, sample, convert)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (damaged, cut off, foreign); the message is one line."""
+    """A checkpoint that cannot be used (damaged, cut off, unsealed, foreign); the message is one
+    line, `reason` its cause alone (without the advice)."""
+
+    def __init__(self, msg, reason=None):
+        super().__init__(msg)
+        self.reason = reason or msg
 
 
 # -----------------------------------------------------------------------------
@@ -259,16 +267,21 @@ def write_failed(path, e, need_bytes=None):
     except ImportError:  # not POSIX
         limit = None
     ckpt = os.path.join(d, 'ckpt.pt')
-    kept = f"; {ckpt} (the last complete checkpoint) is kept" if os.path.exists(ckpt) else ''
+    # a resume needs a checkpoint: before the first one, the fix is to run the command again
+    then = f"and resume; {ckpt} (the last complete checkpoint) is kept" if os.path.exists(ckpt) else \
+        "and run the same command again (no checkpoint to resume from yet)"
     # torch's C++ writer gives no errno: a write larger than the limit is the limit's
     if getattr(e, 'errno', None) == errno.EFBIG or (limit is not None and need_bytes and need_bytes >= limit):
         fail(f"cannot write {path}: it would pass this process's file-size limit (ulimit -f: {limit / 1e6:,.1f} MB"
-             f"{need}; {free / 1e6:,.1f} MB free on {d}): raise it (ulimit -f unlimited) and resume{kept}")
+             f"{need}; {free / 1e6:,.1f} MB free on {d}): raise it (ulimit -f unlimited) {then}")
+    if getattr(e, 'errno', None) in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fail(f"cannot write {path}: {os.strerror(e.errno).lower()} ({d}): use an --out_dir you can write to "
+             f"{then}")
     full = getattr(e, 'errno', None) in (errno.ENOSPC, errno.EDQUOT) or 'No space left' in str(e) \
         or (need_bytes is not None and free < need_bytes)
     why = 'the disk is full' if full else f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     fail(f"cannot write {path}: {why} ({d}: {free / 1e6:,.1f} MB free{need}): free space, or move "
-         f"--out_dir to another disk and resume{kept}")
+         f"--out_dir to another disk, {then}")
 
 
 def full_state(model, optimizer, fsdp=False):
@@ -369,8 +382,9 @@ def verify(path):
                         left -= len(chunk)
                     ok = h.hexdigest() == digest
                 if not ok:
-                    raise CheckpointError(f"{path} does not match the sha256 recorded in it (a byte changed, or "
-                                          f"the file was cut, after it was written): {instead(path)}")
+                    why = "does not match the sha256 recorded in it (a byte changed, or the file was cut, after it " \
+                          "was written)"
+                    raise CheckpointError(f"{path} {why}: {instead(path)}", why)
                 return True
     return False
 
@@ -390,28 +404,34 @@ def instead(path):
     return "restore a good copy"
 
 
-def load_checkpoint(path, parts=('model', 'model_args'), check=True):
-    """A train.py checkpoint as a dict on the CPU: its seal verified (check), unpickled with
-    weights_only=True, holding `parts`. Raises FileNotFoundError for a missing file and
-    CheckpointError (one line) for a damaged, cut-off, refused or foreign one."""
+def load_checkpoint(path, parts=('model', 'model_args'), unsealed=False, mmap=False):
+    """A train.py checkpoint as a dict on the CPU: its seal verified, unpickled with
+    weights_only=True (the allow-list: tensors and plain containers), holding `parts`. A file
+    without a seal is refused unless `unsealed` (the user's --allow_unsealed=True). mmap: the
+    tensors are mapped, not read (a check that the file unpickles). Raises FileNotFoundError for
+    a missing file and CheckpointError (one line) for a damaged, cut-off, unsealed, refused or
+    foreign one."""
     path = str(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path} not found; train one with `python train.py CONFIG` "
                                 f"or give the path of an existing ckpt.pt")
-    if check:
-        verify(path)
+    if not verify(path) and not unsealed:
+        why = "has no seal (the sha256 every DepthBench writer adds): it was cut off (truncated), or written by " \
+              "another tool, and cannot be verified"
+        raise CheckpointError(f"{path} {why}: {instead(path)}; for another tool's checkpoint that you trust, pass "
+                              f"{UNSEALED_SETTING} to read it unverified", why)
     try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
     except Exception as e:  # RuntimeError / EOFError / UnpicklingError for damaged files
         refused = describe_load_error(e, path)  # a file holding code or unknown classes: said so, by name
         if refused:
-            raise CheckpointError(f"checkpoint {refused}") from None
-        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}): the file is truncated or "
-                              f"not a torch checkpoint; {instead(path)}") from None
+            raise CheckpointError(f"checkpoint {refused}", refused.removeprefix(f"{path} ").split(':')[0]) from None
+        why = f"cannot be read ({type(e).__name__}): the file is truncated or not a torch checkpoint"
+        raise CheckpointError(f"checkpoint {path} {why}; {instead(path)}", why) from None
     missing = [k for k in parts if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise CheckpointError(f"{path} lacks {', '.join(missing)}: not a whole train.py checkpoint; "
-                              f"restore a good copy")
+        why = f"lacks {', '.join(missing)}: not a whole train.py checkpoint"
+        raise CheckpointError(f"{path} {why}; restore a good copy", why)
     return ckpt
 
 
@@ -424,15 +444,15 @@ def iteration_of(path):
         return None
 
 
-def load_model(ckpt_path, device='cpu', fast=False):
-    """Loads a train.py checkpoint (load_checkpoint: verified) into GPT in eval mode on
-    `device`, with the fast paths `fast` ('auto' | True | False, fast/) in place after their
-    start-up check. Returns (model, ckpt), ckpt without 'model' and optimizer state. Raises
+def load_model(ckpt_path, device='cpu', fast=False, unsealed=False):
+    """Loads a train.py checkpoint (load_checkpoint: verified; unsealed: --allow_unsealed=True) into
+    GPT in eval mode on `device`, with the fast paths `fast` ('auto' | True | False, fast/) in place
+    after their start-up check. Returns (model, ckpt), ckpt without 'model' and optimizer state. Raises
     FileNotFoundError, ValueError (CheckpointError) for a damaged or foreign file and
     fast.FastPathMismatch when a fast path disagrees with residuals.py."""
     import fast as fastpath
     from model import GPT, GPTConfig
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = load_checkpoint(ckpt_path, unsealed=unsealed)
     cfg = GPTConfig.from_dict(ckpt['model_args'])
     with torch.device(device):  # built where it runs (fast init on a GPU; buffers computed as usual)
         model = GPT(cfg)
@@ -498,18 +518,34 @@ def tokenizer_name_for(ckpt, val_bin=None):
 # train.py's run folder: resume, metrics.jsonl, the best state
 
 
-def load_for_resume(out_dir):
-    """out_dir/ckpt.pt for --init_from=resume: verified and whole (CHECKPOINT_PARTS); one line
-    (fail) otherwise. A signal from here on names its iteration as where a resume starts."""
+def load_for_resume(out_dir, unsealed=False):
+    """out_dir/ckpt.pt for --init_from=resume: verified (unsealed: --allow_unsealed=True) and whole
+    (CHECKPOINT_PARTS); one line (fail) otherwise. A signal from here on names its iteration as
+    where a resume starts."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.exists(path):
         fail(f"init_from='resume' but {path} does not exist: start with --init_from=scratch")
     try:
-        ckpt = load_checkpoint(path, parts=CHECKPOINT_PARTS)
+        ckpt = load_checkpoint(path, parts=CHECKPOINT_PARTS, unsealed=unsealed)
     except (CheckpointError, OSError) as e:
         fail(f"{e}; or start fresh with --init_from=scratch in another --out_dir")
     _run['resume_iter'] = ckpt['iter_num']
     return ckpt
+
+
+def restore(ckpt, scaler, loader, tokens_per_iter):
+    """Puts a resumed run's state back (the optimizer's is loaded by train.py): the fp16 loss
+    scaler, the data loader's position, the RNG states (CUDA's where the run has one). Returns
+    (iter_num, best_val_loss, best_iter, tokens trained; an older checkpoint without a count: at
+    today's batch)."""
+    if ckpt.get('scaler'):
+        scaler.load_state_dict(ckpt['scaler'])
+    loader.load_state_dict(ckpt['loader'])
+    torch.set_rng_state(ckpt['rng']['torch'])
+    if torch.device(loader.device).type == 'cuda' and 'cuda' in ckpt['rng']:
+        torch.cuda.set_rng_state(ckpt['rng']['cuda'])
+    it = ckpt['iter_num']
+    return it, ckpt.get('best_val_loss', float('inf')), ckpt.get('best_iter'), ckpt.get('tokens', it * tokens_per_iter)
 
 
 def _row_iter(line):
@@ -527,8 +563,8 @@ class MetricsLog:
     metrics_old<k>.jsonl, so the file never holds two histories as one. The file is opened
     with the first row: a failed start leaves none."""
 
-    def __init__(self, out_dir, init_from, iter_num, say=say):
-        self.path, self.file = os.path.join(out_dir, 'metrics.jsonl'), None
+    def __init__(self, out_dir, init_from, iter_num, say=say, wandb=None):
+        self.path, self.file, self.wandb = os.path.join(out_dir, 'metrics.jsonl'), None, wandb
         if init_from == 'resume' and os.path.exists(self.path):
             with open(self.path) as f:
                 rows = [line for line in f if (it := _row_iter(line)) is not None and it <= iter_num]
@@ -552,18 +588,47 @@ class MetricsLog:
             self.file.flush()
         except OSError as e:
             write_failed(self.path, e)
+        if self.wandb is not None:  # train.py --wandb_log=True: the same row, as W&B scalars
+            self.wandb.log(wandb_row(row), step=row['iter'])
 
 
-def best_state(out_dir, best_iter):
-    """(path of ckpt_best.pt, or None when it is missing or fails its check, and one line
-    saying where the run's best state is). Reads the whole file (its sha256)."""
+def wandb_row(row):
+    """A metrics.jsonl row as W&B scalars at step row['iter']: a per-block list becomes one key per
+    block ('block_grad_norm/0', ...), so that each block gets its own curve; None values are left
+    out. An evaluation row's lr (the rate of the iteration about to start) is left out too: at the
+    same step, the training row's lr is the rate that step was trained with."""
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, list):
+            out.update({f"{k}/{b}": x for b, x in enumerate(v)})
+        elif v is not None and k != 'iter' and not (k == 'lr' and 'val_loss' in row):
+            out[k] = v
+    if row.get('block_grad_norm'):
+        g = row['block_grad_norm']
+        out['grad_first_last_ratio'] = g[0] / max(g[-1], 1e-12)
+    return out
+
+
+def best_state(out_dir, best_iter, best_val_loss=None):
+    """(path of ckpt_best.pt, or None when it is lost; one line saying where the run's best state
+    is). The best state is named only when proven readable: its seal verifies and it unpickles
+    with the allow-list (tensors mapped, not read). A lost one's line names what is usable
+    instead: ckpt.pt, its iteration and validation loss (a later state, not the best)."""
     path = os.path.join(out_dir, 'ckpt_best.pt')
-    at = f" (iteration {best_iter})" if best_iter is not None else ''
-    if not os.path.exists(path):
-        return None, "the best state was not kept (no ckpt_best.pt)"
+    at = f"iteration {best_iter}" + (f", val loss {best_val_loss:.4f}" if best_val_loss is not None else '')
     try:
-        if not verify(path):  # no seal (written by plain torch.save): read it whole instead
-            load_checkpoint(path, parts=(), check=False)
+        load_checkpoint(path, mmap=True)
+        return path, f"the best state is in ckpt_best.pt ({at})"
+    except FileNotFoundError:
+        why = "ckpt_best.pt is missing"
     except (CheckpointError, OSError) as e:
-        return None, f"the best state{at} is lost: {e}"
-    return path, f"the best state is in ckpt_best.pt{at}"
+        why = f"ckpt_best.pt {getattr(e, 'reason', e)}"
+    ckpt = os.path.join(out_dir, 'ckpt.pt')
+    try:
+        last = load_checkpoint(ckpt, parts=('iter_num',), mmap=True)
+        val = last.get('val_loss')
+        usable = (f"what is usable is {ckpt} (iteration {last['iter_num']}"
+                  + (f", val loss {val:.4f}" if isinstance(val, float) else '') + "), a later state, not the best")
+    except (CheckpointError, OSError) as e:
+        usable = f"{ckpt} is not usable either ({getattr(e, 'reason', e)})"
+    return None, f"the best state ({at}) is lost: {why}; {usable}"

@@ -25,9 +25,27 @@ import difflib
 import io
 import math
 import os
+import signal
 import sys
 import tokenize
 import types
+
+
+def stop_while_starting():
+    """A script's first call, before its heavy imports (train.py, study/sweep.py): Ctrl-C or
+    SIGTERM while the libraries load and the settings are read, before anything is written, is
+    one line and exit status 130 / 143, not a traceback or silence. The script's own handler
+    (checkpoint.catch_signals, the sweep's) replaces it once it has something to say."""
+    def stop(signum, frame):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        if int(os.environ.get('RANK', 0)) == 0:  # under torchrun, rank 0 speaks
+            what = 'interrupted' if signum == signal.SIGINT else 'terminated (SIGTERM)'
+            sys.stdout.write(f"{what} while starting: nothing was written; run the same command again\n")
+            sys.stdout.flush()
+        os._exit(128 + signum)  # nothing to undo yet, and no half-done import can catch it
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
 
 
 class ConfigError(ValueError):
@@ -112,8 +130,13 @@ def _run_config_file(path, g, keys, none_types):
     if not os.path.isfile(path):
         hint = f"; to override a key write --{path}" if '=' in path else ""
         raise ConfigError(f"config file not found: {path}{hint}")
-    with open(path) as f:
-        source = f.read()
+    with open(path, 'rb') as f:
+        data = f.read()
+    try:
+        source = data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): a config file is Python source; save it "
+                          f"as UTF-8") from None
     ns = {k: g[k] for k in keys}  # the file sees (and may build on) the current values
     before = dict(ns)
     try:

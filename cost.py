@@ -10,6 +10,7 @@ prefill latency / peak memory / device-hours per 1B tokens.
     python cost.py --measure --device=cuda --batch=8   # + measured prefill (bf16 on GPU)
     python cost.py --measure --device=cpu --shapes=2x64 --seq_len=64 --batch=1 --iters=2
     python cost.py --memory=config/attnres_L32.py       # a config's training-memory plan (plan/memory.py)
+    python cost.py --kv_cache --shapes=4x128 --seq_len=64 --new_tokens=64   # the KV cache measured
 
 It prints a table (scheme, L, d, d/L, params, prefill TFLOPs/sequence, ΔF/F, KV cache
 and, with --measure, latency, tokens/s, peak memory, device-hours per 1B prefill tokens)
@@ -23,9 +24,10 @@ elementwise work are not counted, as in the paper):
     the T×T score and value products) and the LM head on the last position only;
   - flop_check() counts what the code executes: the full T×T attention (4T²d) and the
     LM head on all T positions;
-  - KV cache: keys and values of every layer for a T-token sequence, bf16 (2 bytes);
-    MB = 1e6 bytes, GB = 1e9 bytes. MoDA's adds the per-token depth buffer (2L slots) a
-    prefill holds; decoding keeps none of it (kv_cache_bytes(..., decode=True));
+  - KV cache: keys and values of every layer for a T-token sequence, bf16 (2 bytes), the
+    same for every scheme (what model.KVCache holds); MB = 1e6 bytes, GB = 1e9 bytes. MoDA's
+    prefill also holds a per-token depth buffer (2L slots), which no decoder keeps
+    (kv_cache_bytes(..., residual='moda', prefill=True));
   - Block AttnRes: the table uses the paper's Appendix D source count; the model reads
     N - 1 = 7 sources fewer (blockattnres_sources, appendix_d=False);
   - a scheme registered in residuals.RESIDUALS without closed forms here (one you
@@ -245,30 +247,31 @@ def config_flops(cfg, seq_len, **kw):
 
 
 def kv_cache_bytes(n_layer, n_embd, seq_len, *, n_head=16, n_kv_head=None, bytes_per_elem=2, batch=1,
-                   residual='preln', decode=False):
+                   residual='preln', prefill=False):
     """
     Bytes of the KV cache of `batch` sequences of T = seq_len tokens (paper Sec. 4.4):
 
         2 (K and V) · L · T · n_kv · hd · bytes_per_elem · batch
 
     = 2·L·T·d·2 bytes for MHA in bf16 (L16/d1216, T=4096: 319 MB; L70/d640: 734 MB);
-    GQA with n_kv = H/2 halves it.
+    GQA with n_kv = H/2 halves it. The same for every scheme: the attention's keys and values
+    are all that crosses from one token to the next (model.KVCache holds exactly this, tested
+    in tests/test_kv_cache.py). The depth reads of AttnRes and Block AttnRes and the stream
+    routing of HC and mHC act on one token's own states, and MoDA's depth slots are read only
+    by the later blocks of the same token, so they are dead once a token has passed all L
+    blocks: a decoder keeps none of them.
 
-    MoDA (residual='moda') also keeps a per-token depth buffer: 2L slots, each a key and
-    a value of n_kv·hd (slot 2b = block b's attention k, v before RoPE; 2b+1 = the W_kv
-    projection of its FFN input; the last slot is never written). A token's depth slots
-    are read only by the later blocks of the *same* token, so once a token has passed
-    all L blocks they are dead: decoding needs no persistent depth cache (decode=True
-    returns the Pre-LN cache for MoDA), but a prefill of T tokens processed block by
-    block holds the buffer of all T tokens at once, 2·2L·T·n_kv·hd·bytes·batch, i.e.
-    twice the sequence cache, which decode=False (the default) adds. (An implementation
-    that caches pre-RoPE keys could alias the L attention slots with the sequence cache
-    and hold only the L-1 W_kv slots.) Other schemes: no extra cache.
+    prefill=True adds, for MoDA, the per-token depth buffer that a prefill of T tokens run
+    block by block holds at once: 2L slots of a key and a value of n_kv·hd per token (slot 2b
+    = block b's attention k, v before RoPE; 2b+1 = the W_kv projection of its FFN input; the
+    last slot is never written), 2·2L·T·n_kv·hd·bytes·batch, twice the sequence cache. Working
+    memory of the forward, not a cache; other schemes: nothing (their depth state is
+    activations, as every scheme's).
     Units: bytes (int). Raises ValueError for a bad head layout.
     """
     hd, n_kv = _heads(n_embd, n_head, n_kv_head)
     seq = 2 * n_layer * seq_len * n_kv * hd * bytes_per_elem * batch
-    if residual == 'moda' and not decode:
+    if residual == 'moda' and prefill:
         seq += 2 * (2 * n_layer) * seq_len * n_kv * hd * bytes_per_elem * batch
     return seq
 
@@ -558,6 +561,87 @@ def measure_prefill(schemes, shapes, batch=8, seq_len=4096, device='cuda', dtype
         torch.cuda.empty_cache()
     return out
 
+def measure_kv_cache(schemes, shapes, prompt_len=64, new_tokens=64, device='cpu', dtype=None, rounds=3,
+                     **config_kw):
+    """
+    The KV cache of generation measured (model.KVCache, sample.py; docs/cost.md), per
+    (scheme, shape): a batch-1 model with random weights (fast.randomise), block_size =
+    prompt_len + new_tokens, weights fp32 under `dtype` autocast (default bfloat16 on CUDA,
+    float32 on the CPU).
+      cache_bytes    KVCache.nbytes() after the prompt and new_tokens single-token steps;
+      formula_bytes  kv_cache_bytes of the same shape, length and dtype (they must agree);
+      tokens_per_s   new_tokens / seconds of sample.generate, greedy, with the cache and
+                     recomputing the context (kv_cache=False), the two interleaved in
+                     `rounds` rounds after one warm-up round; the median of each;
+      speedup        the median over rounds of the round's recompute time / cache time;
+      same_tokens    the two wrote the same tokens in every round.
+    shapes: (L, d) or (L, d, extra GPTConfig keys, e.g. n_kv_head); config_kw: GPTConfig keys
+    for every model (vocab_size, n_head, ...). Raises ValueError for an unknown scheme or device.
+    """
+    import fast
+    from model import KVCache
+    from residuals import RESIDUALS
+    from sample import generate
+    bad = [s for s in schemes if s not in RESIDUALS]
+    if bad:
+        raise ValueError(f"cannot measure {', '.join(bad)}: not in residuals.RESIDUALS ({', '.join(RESIDUALS)})")
+    device = torch.device(device)
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no GPU is available: use --device=cpu")
+    if prompt_len < 1 or new_tokens < 1 or rounds < 1:
+        raise ValueError(f"prompt_len={prompt_len}, new_tokens={new_tokens}, rounds={rounds}: each must be >= 1")
+    dtype = dtype or ('bfloat16' if device.type == 'cuda' else 'float32')
+    autocast = torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != 'float32')
+    out = []
+    for scheme, shape in itertools.product(schemes, shapes):
+        L, d, extra = (*shape, {}) if len(shape) == 2 else shape
+        cfg = GPTConfig(**{**config_kw, **extra}, residual=scheme, n_layer=L, n_embd=d,
+                        block_size=prompt_len + new_tokens)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = GPT(cfg).eval()
+        fast.randomise(model)
+        idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device,
+                            generator=torch.Generator(device=device).manual_seed(0))
+        cache = KVCache(L)
+        with torch.no_grad(), autocast:
+            model.hidden(idx, cache=cache)
+            for t in range(new_tokens):
+                model.hidden(idx[:, t % prompt_len:t % prompt_len + 1], cache=cache)
+        times, same = {True: [], False: []}, True
+        for r in range(rounds + 1):  # round 0 warms up
+            outs = {}
+            for kv in (True, False):
+                with autocast:
+                    if device.type == 'cuda':
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    outs[kv] = generate(model, idx, new_tokens, temperature=0, kv_cache=kv).tolist()  # syncs
+                    if r:
+                        times[kv].append(time.perf_counter() - t0)
+            same = same and outs[True] == outs[False]
+        out.append(dict(scheme=scheme, L=L, d=d, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, prompt_len=prompt_len,
+                        new_tokens=new_tokens, tokens=cache.pos, device=str(device), dtype=dtype,
+                        cache_bytes=cache.nbytes(),
+                        formula_bytes=kv_cache_bytes(L, d, cache.pos, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
+                                                     bytes_per_elem=getattr(torch, dtype).itemsize, residual=scheme),
+                        tokens_per_s_cache=new_tokens / statistics.median(times[True]),
+                        tokens_per_s_recompute=new_tokens / statistics.median(times[False]),
+                        speedup=statistics.median(b / a for a, b in zip(times[True], times[False])),
+                        same_tokens=same))
+    return out
+
+
+def format_kv_table(rows):
+    """measure_kv_cache's rows as a markdown table."""
+    lines = ['| scheme | L | d | heads q/kv | tokens | cache bytes (measured) | kv_cache_bytes | tokens/s cache | '
+             'tokens/s recompute | speed-up | same tokens |', '|' + '---|' * 11]
+    for r in rows:
+        lines.append(f"| {r['scheme']} | {r['L']} | {r['d']} | {r['n_head']}/{r['n_kv_head']} | {r['tokens']} | "
+                     f"{r['cache_bytes']:,} | {r['formula_bytes']:,} | {r['tokens_per_s_cache']:,.0f} | "
+                     f"{r['tokens_per_s_recompute']:,.0f} | {r['speedup']:.2f} | {'yes' if r['same_tokens'] else 'NO'} |")
+    return '\n'.join(lines)
+
 # -----------------------------------------------------------------------------
 # tables, figure, CLI
 
@@ -632,15 +716,15 @@ def format_table(rows):
 
 
 def format_pivot(rows):
-    """Prefill TFLOPs per sequence as a shape x scheme markdown table, with the KV cache (MB)
-    of the schemes without extra cache (the sequence cache, 2·L·T·n_kv·hd·2 bytes)."""
+    """Prefill TFLOPs per sequence as a shape x scheme markdown table, with the KV cache (MB),
+    the same for every scheme (2·L·T·n_kv·hd·2 bytes)."""
     schemes = list(dict.fromkeys(r['scheme'] for r in rows))
     shapes = list(dict.fromkeys((r['L'], r['d']) for r in rows))
     cell = {(r['scheme'], r['L'], r['d']): r for r in rows}
     lines = ['| L | d | d/L | ' + ' | '.join(schemes) + ' | KV cache (MB) |', '|' + '---|' * (len(schemes) + 4)]
     for L, d in shapes:
         r0 = cell[(schemes[0], L, d)]
-        kv = kv_cache_bytes(L, d, r0['seq_len'], n_head=r0['n_head'], n_kv_head=r0['n_kv_head'], decode=True)
+        kv = kv_cache_bytes(L, d, r0['seq_len'], n_head=r0['n_head'], n_kv_head=r0['n_kv_head'])
         lines.append(f"| {L} | {d} | {d / L:.2f} | " + ' | '.join(_num(cell[(s, L, d)]['flops'] / 1e12, 3)
                                                              for s in schemes) + f" | {_num(kv / 1e6, 0)} |")
     return '\n'.join(lines)
@@ -753,6 +837,12 @@ def main(argv=None):
     p.add_argument('--results', default=None,
                    help='results.json with val_loss (default: out/<family>/results.json if present)')
     p.add_argument('--out', default='out/cost', help='output folder for cost.json and cost.png')
+    p.add_argument('--kv_cache', action='store_true',
+                   help='instead: the KV cache measured against kv_cache_bytes, and generation with and without '
+                        'it (a prompt of --seq_len tokens, then --new_tokens, --iters rounds)')
+    p.add_argument('--new_tokens', type=int, default=64, help='with --kv_cache: tokens generated per round')
+    p.add_argument('--n_head', type=int, default=None, help='query heads (default: the family\'s)')
+    p.add_argument('--n_kv_head', type=int, default=None, help='key/value heads (GQA; default: n_head)')
     p.add_argument('--memory', default=None, metavar='CONFIG',
                    help='instead: the predicted peak training memory of a train.py config at its micro-batch')
     p.add_argument('--budget_gib', type=finite_float, default=None,
@@ -787,6 +877,15 @@ def main(argv=None):
         if args.shapes:
             by_shape = {(L, d): extra for L, d, extra in shapes}
             shapes = [(L, d, by_shape.get((L, d), {})) for L, d in _parse_shapes(args.shapes)]
+        config_kw.update({k: getattr(args, k) for k in ('n_head', 'n_kv_head') if getattr(args, k) is not None})
+        if args.kv_cache:
+            rows = measure_kv_cache(schemes, shapes, args.seq_len, args.new_tokens, args.device, args.dtype,
+                                    args.iters, **config_kw)
+            r0 = rows[0]
+            print(f"KV cache: a prompt of {r0['prompt_len']} tokens, then {r0['new_tokens']} greedy tokens, batch 1, "
+                  f"{r0['device']}, {r0['dtype']}, {torch.get_num_threads()} threads; median of {args.iters} rounds")
+            print(format_kv_table(rows))
+            return 0
         rows = cost_rows(schemes, shapes, args.seq_len, args.logits, args.attention, **config_kw)
         if args.measure:
             measured = measure_prefill(schemes, shapes, args.batch, args.seq_len, args.device, args.dtype,

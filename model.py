@@ -21,15 +21,20 @@ scheme alike (the diagnostics of the paper's Sec. 4 use exactly that).
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, residual='attnres'))
     logits, loss = model(idx, targets)        # idx, targets: (B, T) int64
-    model.compile()                           # regional: not torch.compile(model), see compile_regions
+    model.compile()                           # regional: each block's pieces, see compile_regions
+    cache = KVCache(model.config.n_layer)     # generation: run the prompt, then one token at a time
+    h = model.hidden(prompt, cache=cache); h = model.hidden(next_token, cache=cache)
 
-torch.compile(model) traces all L blocks as one graph and takes minutes to compile at depth;
-`model.compile()` (= `compile_regions`) compiles each piece once for all blocks, in seconds.
+A whole-model torch.compile(model) would trace all L blocks as one graph and take minutes to
+compile at depth; `model.compile()` (= `compile_regions`) compiles each piece once for all
+blocks, in seconds, and a plain torch.compile(model) is turned into it, with one warning.
 """
 
 import inspect
 import math
+import warnings
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -121,8 +126,8 @@ def apply_rope(x, cos, sin):
 class Attention(nn.Module):
     """Causal multi-head (or grouped-query) self-attention with RoPE, no biases.
 
-    `qkv` and `out` are exposed separately so that a scheme which extends attention
-    (MoDA's depth keys) can reuse the same projections.
+    `qkv`, `rotate`, `context`, `attend` and `out` are exposed separately so that a scheme
+    which extends attention (MoDA's depth keys) can reuse the same pieces.
     """
 
     def __init__(self, cfg):
@@ -146,16 +151,33 @@ class Attention(nn.Module):
         """RoPE on q or k (B, heads, T, hd) with rope = (cos, sin) (T, hd/2)."""
         return apply_rope(t, *rope)
 
+    def context(self, k, v, cache=None):
+        """The keys (after RoPE) and values this step's queries attend over: k, v themselves
+        (B, H_kv, T, hd) in training; with a cache (generation: `KVCache.layer`), the cached
+        ones of the earlier tokens followed by these, which the cache keeps (B, H_kv, pos + T, hd)."""
+        return (k, v) if cache is None else cache.extend(k, v)
+
+    def attend(self, q, k, v):
+        """Causal attention, q (B, H, T, hd) over k, v (B, H_kv, Tk, hd), Tk >= T: the queries
+        are the last T of the Tk positions (Tk > T only with cached keys). -> (B, H, T, hd)."""
+        T, Tk = q.size(2), k.size(2)
+        gqa = self.n_kv_head != self.n_head
+        if Tk == T:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # SDPA's is_causal aligns the mask top-left; the new queries sit at the bottom right
+        mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)  # (T, Tk)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
     def out(self, y):
         """y (B, H, T, hd) -> (B, T, d) through the output projection."""
         B, H, T, hd = y.shape
         return self.wo(y.transpose(1, 2).reshape(B, T, H * hd))
 
-    def forward(self, x, rope):
+    def forward(self, x, rope, cache=None):
         q, k, v = self.qkv(x)
         q, k = self.rotate(q, rope), self.rotate(k, rope)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, hd)
+        k, v = self.context(k, v, cache)
+        y = self.attend(q, k, v)  # (B, H, T, hd)
         return self.out(y)
 
 
@@ -183,6 +205,91 @@ class Block(nn.Module):
 
 
 # -----------------------------------------------------------------------------
+# the KV cache of generation
+
+class KVCache:
+    """The KV cache of generation (paper Sec. 4.4): for every block b, the keys (after RoPE)
+    and values of its attention for the tokens run so far, k[b] and v[b] (B, H_kv, pos, hd),
+    in the dtype the attention computed them (bf16 under bf16 autocast): 2·L·pos·H_kv·hd
+    elements, cost.kv_cache_bytes.
+
+    Nothing else crosses from one token to the next, in any scheme: every depth read (AttnRes,
+    Block AttnRes), stream routing (HC, mHC), norm and gain acts on one token's own states, and
+    MoDA's depth slots are read only by the later blocks of the same token (docs/schemes.md,
+    the KV cache). So a step runs every block on the new tokens alone, from their embeddings,
+    and reads the earlier tokens through the cache (`GPT.hidden(idx, cache=cache)`):
+
+        cache = KVCache(model.config.n_layer)
+        h = model.hidden(prompt, cache=cache)     # (B, T, d): fills the cache, pos = T
+        h = model.hidden(next_id, cache=cache)    # (B, 1, d): the token at position T, pos = T + 1
+
+    pos plus the new tokens may not exceed block_size (the RoPE table, and the longest context
+    the model was trained on). A step that raises leaves the cache unusable.
+    """
+
+    def __init__(self, n_layer):
+        self.k = [None] * n_layer  # block b's keys (B, H_kv, pos, hd), None until it has run
+        self.v = [None] * n_layer
+        self.pos = 0               # tokens in the cache: the position of the next one
+
+    def layer(self, b):
+        """Block b's share of the cache, what its attention reads and extends."""
+        return LayerCache(self, b)
+
+    def extend(self, b, k, v):
+        """Appends k, v (B, H_kv, T, hd) of this step's tokens to block b's; returns all of
+        them (B, H_kv, pos + T, hd). Never in place: the step before keeps its tensors."""
+        if self.k[b] is None:
+            assert self.pos == 0, f"block {b} did not run for the {self.pos} cached tokens"
+        else:
+            assert self.k[b].size(2) == self.pos, f"block {b} ran twice in one step, or not in the last"
+            k, v = torch.cat((self.k[b], k), dim=2), torch.cat((self.v[b], v), dim=2)
+        self.k[b], self.v[b] = k, v
+        return k, v
+
+    def nbytes(self):
+        """Bytes the cache holds: the storage under every cached key and value, each counted once."""
+        storages = {}
+        for t in self.k + self.v:
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
+
+class LayerCache(NamedTuple):
+    """Block b's share of a KVCache (Attention.context's `cache`)."""
+    cache: KVCache
+    b: int
+
+    def extend(self, k, v):
+        return self.cache.extend(self.b, k, v)
+
+
+class CachedAttention:
+    """Block b's attention during cached generation, what a scheme is handed as layer.attn:
+    the same pieces (qkv, rotate, attend, out, ...), with `context` and the call reading and
+    extending block b's cache."""
+
+    def __init__(self, attn, cache):
+        self.attn, self.cache = attn, cache
+
+    def __getattr__(self, name):
+        return getattr(self.attn, name)
+
+    def context(self, k, v):
+        return self.attn.context(k, v, self.cache)
+
+    def __call__(self, x, rope):
+        return self.attn(x, rope, self.cache)
+
+
+class CachedBlock(NamedTuple):
+    """Block b as a scheme sees it during cached generation: its MLP, its attention on the cache."""
+    attn: CachedAttention
+    mlp: nn.Module
+
+
+# -----------------------------------------------------------------------------
 # the model
 
 class GPT(nn.Module):
@@ -200,6 +307,7 @@ class GPT(nn.Module):
         cos, sin = rope_cache(cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_theta)
         self.register_buffer('rope_cos', cos, persistent=False)  # (block_size, hd/2)
         self.register_buffer('rope_sin', sin, persistent=False)
+        self.regions_compiled = False  # compile_regions has run (a plain torch.compile(model) runs it once)
         self.init_weights()
 
     @torch.no_grad()
@@ -240,12 +348,14 @@ class GPT(nn.Module):
         for name, grows in res.regions.items():
             if name not in vars(res):  # not replaced by a fast path
                 setattr(res, name, compiled_region(getattr(res, name), grows, backend))
+        self.regions_compiled = True
         return self
 
     def compile(self, backend='inductor'):
         """model.compile() is `compile_regions`: nn.Module.compile would trace the whole model
         as one graph, every block unrolled, and take minutes to compile at depth where the
-        regions take seconds. Returns self."""
+        regions take seconds (a plain torch.compile(model) gets the regions too, see
+        `forward`). Returns self."""
         return self.compile_regions(backend)
 
     def num_params(self, non_embedding=False):
@@ -254,7 +364,7 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() if non_embedding else n
 
-    def hidden(self, idx, order=None, skip=(), record=None):
+    def hidden(self, idx, order=None, skip=(), record=None, cache=None):
         """Runs the embedding and the blocks; returns h = scheme.end(state), what `head` reads:
         (B, T, d) for one-stream schemes, the streams (B, T, m, d) for HC / mHC.
 
@@ -266,19 +376,27 @@ class GPT(nn.Module):
             keeps its place in the order but contributes nothing.
         record: if a list, (probe_state, lens_state) after the embedding and after each
             block (len(order) + 1 entries) is appended to it (docs/probes.md, depth and lens states).
+        cache: a KVCache (generation): idx are the tokens at positions cache.pos .. cache.pos
+            + T - 1, after those in the cache, which every block's attention reads and extends;
+            cache.pos + T <= block_size. None (training, probes): idx is the whole sequence.
         """
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        rope = (self.rope_cos[:T], self.rope_sin[:T])
+        pos = 0 if cache is None else cache.pos
+        if pos + T > self.config.block_size:
+            raise ValueError(f"sequence length {pos + T} exceeds block_size {self.config.block_size}")
+        rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T])
         res = self.residual
         state = res.begin(self.wte(idx))
         if record is not None:
             record.append((res.probe(state), res.lens(state)))
         for b in (range(self.config.n_layer) if order is None else order):
-            state = res.skip(state, b) if b in skip else res.block(state, b, self.blocks[b], rope)
+            blk = self.blocks[b] if cache is None else CachedBlock(CachedAttention(self.blocks[b].attn, cache.layer(b)),
+                                                                   self.blocks[b].mlp)
+            state = res.skip(state, b) if b in skip else res.block(state, b, blk, rope)
             if record is not None:
                 record.append((res.probe(state), res.lens(state)))
+        if cache is not None:
+            cache.pos += T
         return res.end(state)
 
     def head(self, h):
@@ -291,7 +409,10 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, order=None, skip=()):
         """idx, targets: (B, T) int64 -> logits (B, T, V), loss (mean next-token cross-entropy
         in nats over targets != -1, None without targets). With targets, the head and the loss
-        are `lm_head_loss` (the loss in chunks; its logits carry no gradient)."""
+        are `lm_head_loss` (the loss in chunks; its logits carry no gradient).
+        Under a plain torch.compile(model) this runs `whole_model_compiled` instead."""
+        if torch.compiler.is_compiling():  # torch.compile(model) is tracing: all L blocks in one graph
+            return whole_model_compiled(self, idx, targets, order, skip)
         h = self.hidden(idx, order, skip)
         if targets is None:
             return self.head(h), None
@@ -391,6 +512,21 @@ class HeadLoss(torch.autograd.Function):
         s = gloss / n_valid
         return (None if gx is None else (gx * s).to(xdt).view(shape),
                 None if gw is None else (gw * s).to(wdt), None, None, None)
+
+
+@torch.compiler.disable
+def whole_model_compiled(model, idx, targets=None, order=None, skip=()):
+    """What a plain torch.compile(model) runs: the model's forward with its regions compiled
+    (`GPT.compile_regions`, inductor, done once, with one warning that names model.compile()),
+    instead of one graph of all L blocks, which takes minutes to compile at depth where the
+    regions take seconds (docs/performance.md, compile time against depth). Dynamo does not
+    trace into this function (compiler.disable); the regions it calls are compiled on their own."""
+    if not model.regions_compiled:
+        warnings.warn(f"torch.compile(model) would trace all {model.config.n_layer} blocks as one graph, which "
+                      f"takes minutes to compile at depth: compiling each block's pieces instead, as "
+                      f"model.compile() does (call model.compile() rather than torch.compile(model))", stacklevel=2)
+        model.compile_regions()
+    return model.forward(idx, targets, order, skip)
 
 
 def compiled_region(fn, grows, backend='inductor'):

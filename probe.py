@@ -705,7 +705,7 @@ def probe_checkpoint(ckpt_path, metrics, args, json_path=None):
     json_path: where to write the results so far after each metric (None: nowhere).
     Raises ValueError when the held-out tokens or the tokenizer do not fit the model's vocabulary."""
     from data.tokenizer import get_tokenizer
-    model, ckpt = load_model(ckpt_path, args.device, args.fast)
+    model, ckpt = load_model(ckpt_path, args.device, args.fast, getattr(args, 'allow_unsealed', False))
     cfg, L = model.config, model.config.n_layer
     val_bin = args.val_bin or (str(data_dir_for(ckpt) / 'val.bin') if data_dir_for(ckpt) else None)
     check_tokenizer(ckpt, cfg.vocab_size, val_bin, args.tokenizer)
@@ -943,6 +943,8 @@ def main(argv=None):
     p.add_argument('--dtype', default=None, choices=['float32', 'bfloat16'], help="default: bfloat16 on cuda")
     p.add_argument('--fast', default='auto', choices=['auto', 'True', 'False'],
                    help="fast paths (fast/): auto = on for CUDA, off on the CPU")
+    p.add_argument('--allow_unsealed', default=False, type=lambda v: v.lower() == 'true', metavar='True|False',
+                   help="read a checkpoint without a seal (another tool's), unverified")
     p.add_argument('--n_windows', type=int, default=None, help="override every metric's window count")
     p.add_argument('--seq_len', type=int, default=None, help="override every metric's window length")
     p.add_argument('--batch_size', type=int, default=BATCH_SIZE, help="windows per micro-batch")

@@ -316,8 +316,9 @@ class BlockAttnRes(AttnRes):
 
     As Full AttnRes (same parameters, same `read`), but the sources are block sums. The 2L
     sublayers form cfg.attnres_blocks AttnRes blocks of S = 2L / attnres_blocks sublayers.
-    At sublayer k with k % S == 0 and k > 0 the running partial sum P is frozen as a new
-    source before sublayer k's input is computed; sublayer k's output starts the next P:
+    At sublayer k with k % S == 0 and k > 0 (`boundary`, the one place of the rule) the running
+    partial sum P is frozen as a new source before sublayer k's input is computed; sublayer k's
+    output starts the next P:
 
         z_k = sum_i a_ki v_i over v in [embedding, frozen block sums..., P if non-empty],
         f_k = F_k(RMSNorm_pre,k(z_k)),   P <- P + f_k
@@ -348,19 +349,24 @@ class BlockAttnRes(AttnRes):
         self.group_size = n_sub // n_blocks  # S, sublayers per AttnRes block
 
     def notes(self):
+        """One start-up line with the block size, e.g. "Block AttnRes: 2 blocks of 4 sublayers"
+        (train.py prints it), and what the scheme is when S = 1 or S = 2L."""
         n_sub, S = 2 * self.cfg.n_layer, self.group_size
         if S == 1:
             return [f"Block AttnRes with attnres_blocks={self.cfg.attnres_blocks} and 2L = {n_sub} sublayers "
-                    f"is Full AttnRes: one sublayer per block, every source a sublayer output (blocks of "
+                    f"is Full AttnRes: {n_sub} blocks of 1 sublayer, every source a sublayer output (blocks of "
                     f"several sublayers: attnres_blocks a divisor of {n_sub} below {n_sub})"]
         if S == n_sub:
             return [f"Block AttnRes with attnres_blocks={self.cfg.attnres_blocks}: one block holds all {n_sub} "
                     f"sublayers, so every read sees only the embedding and the running sum"]
-        return []
+        return [f"Block AttnRes: {n_sub // S} blocks of {S} sublayers (attnres_blocks={self.cfg.attnres_blocks}, "
+                f"2L = {n_sub})"]
 
     def boundary(self, k):
-        """Whether the read of sublayer k (0-based, counted in the run) is at an AttnRes-block
-        boundary, where P is frozen as a new source: the one rule of read_at and skip."""
+        """Whether sublayer k's read is at an AttnRes-block boundary: the running sum P is frozen
+        as a source before that read. k: the 0-based index of the sublayer in the run (k = 2L is
+        the final aggregator), as in `read_at`. The one place of the rule; `read_at` and `skip`
+        both ask it, so an edit here moves the read and the probes' skip rule together."""
         return k % self.group_size == 0
 
     def read_at(self, sources, partial, k, mixer, b, j):
@@ -554,7 +560,11 @@ class HC(MultiStream):
         H' = A_r^T H + beta (x) f                                                          (`write_streams`)
 
     read_streams and write_streams are MultiStream's (shared with mHC). The coefficients
-    come from the normalised streams but multiply the raw ones. Init: A_m = one-hot
+    come from the normalised streams but multiply the raw ones. To change beta for HC alone,
+    change the beta that HC.coefficients returns (e.g. `beta = 0.5 * (route.static_beta + ...)`):
+    it is computed here and only applied in write_streams, which mHC runs too, so an edit
+    there changes mHC's H_post as well. (With --fast, start-up checks the fast form of
+    HC.coefficients against the edited one and stops in one line: run --fast=False.) Init: A_m = one-hot
     e_{k mod m} (k = 2b + j), A_r = I, beta = 1, dynamic_alpha = dynamic_beta = 0,
     alpha_scale = beta_scale = 0.01, and (cfg.hc_out_init_scale, the study's default) attention-out
     and SwiGLU-down init divided by sqrt(m): every stream then equals Pre-LN's h with the same
@@ -1003,7 +1013,11 @@ class MoDA(Residual):
     slot's reference (never in place). probe = lens = h. Skip rule (docs/probes.md): a
     skipped block leaves h unchanged and writes nothing into its two slots, which stay zero
     and still take softmax mass exp(q . 0) = 1 with a zero value. use_depth=False masks out
-    every depth score: the model is then Pre-LN with unused W_kv (equivalence tests, ablations)."""
+    every depth score: the model is then Pre-LN with unused W_kv (equivalence tests, ablations).
+    KV cache (model.KVCache): only the sequence keys and values, as Pre-LN. A token's depth
+    slots are read only by its own later blocks, so a generation step builds them afresh for
+    its new tokens (begin) and drops them after the last block; the cached tokens' slots are
+    never needed again (cost.kv_cache_bytes; prefill=True counts the slots of a prefill)."""
 
     unit_paths = True  # Pre-LN's adds: the depth attention is inside the attention branch
     regions = {'attention': [(3, 3), (4, 3)]}  # depth_k, depth_v (B, H_kv, T, S, hd): S grows
@@ -1025,18 +1039,20 @@ class MoDA(Residual):
         """One softmax over the causal sequence keys and the S depth keys of the same token:
             a_t = softmax([q_t . k_s, s <= t | q_t . K_depth[t, j], j < S] / sqrt(hd)),
             y_t = sum_s a_ts v_s + sum_j a_tj V_depth[t, j].
-        q (B, H, T, hd) and k (B, H_kv, T, hd) after RoPE, v (B, H_kv, T, hd), depth_k and
-        depth_v (B, H_kv, T, S, hd), S >= 1; query head i reads key/value head i // (H / H_kv).
-        Returns y (B, H, T, hd). The scores are an explicit (T + S)-column matrix per query."""
+        q (B, H, T, hd) and k (B, H_kv, Tk, hd) after RoPE, v (B, H_kv, Tk, hd), Tk >= T: the
+        queries are the last T of the Tk sequence positions (Tk = T but in cached generation,
+        where k and v start with the cached tokens'); depth_k and depth_v (B, H_kv, T, S, hd),
+        S >= 1, the query tokens' own; query head i reads key/value head i // (H / H_kv).
+        Returns y (B, H, T, hd). The scores are an explicit (Tk + S)-column matrix per query."""
         B, H, T, hd = q.shape
-        Hkv = k.size(1)
+        Hkv, Tk = k.size(1), k.size(2)
         q = q.view(B, Hkv, H // Hkv, T, hd) * hd ** -0.5                         # (B, H_kv, G, T, hd)
-        seq = q @ k.unsqueeze(2).transpose(-1, -2)                                # (B, H_kv, G, T, T)
-        seq = seq.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float('-inf'))
+        seq = q @ k.unsqueeze(2).transpose(-1, -2)                                # (B, H_kv, G, T, Tk)
+        seq = seq.masked_fill(~torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T), float('-inf'))
         dep = torch.einsum('bkgtd,bktsd->bkgts', q, depth_k)                     # (B, H_kv, G, T, S)
-        scores = torch.cat((seq, dep), dim=-1)                                    # (B, H_kv, G, T, T + S)
+        scores = torch.cat((seq, dep), dim=-1)                                    # (B, H_kv, G, T, Tk + S)
         a = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype)
-        a_seq, a_dep = a.split([T, dep.size(-1)], dim=-1)
+        a_seq, a_dep = a.split([Tk, dep.size(-1)], dim=-1)
         y = a_seq.contiguous() @ v.unsqueeze(2) + torch.einsum('bkgts,bktsd->bkgtd', a_dep, depth_v)
         return y.reshape(B, H, T, hd)
 
@@ -1056,11 +1072,14 @@ class MoDA(Residual):
         attn, prm = layer.attn, self.layers[b]
         q, k, v = attn.qkv(prm.attn_norm(h))  # (B, H, T, hd), (B, H_kv, T, hd) x2, before RoPE
         qr, kr = attn.rotate(q, rope), attn.rotate(k, rope)
+        ks, vs = attn.context(kr, v)          # the sequence's keys, values: kr, v; in generation after the cached ones
         S = 2 * p if self.use_depth else 0    # the depth slots this block reads
         if S == 0:
-            y = F.scaled_dot_product_attention(qr, kr, v, is_causal=True, enable_gqa=kr.size(1) != qr.size(1))
-        else:
-            y = self.attention(qr, kr, v, torch.stack(K[:S], dim=3), torch.stack(V[:S], dim=3))
+            y = attn.attend(qr, ks, vs)       # plain causal attention
+        elif ks.size(2) == qr.size(2):
+            y = self.attention(qr, ks, vs, torch.stack(K[:S], dim=3), torch.stack(V[:S], dim=3))
+        else:  # queries after cached keys: the plain method (fast paths and the compiled region take T x T)
+            y = type(self).attention(self, qr, ks, vs, torch.stack(K[:S], dim=3), torch.stack(V[:S], dim=3))
         h = h + attn.out(y)
         K, V = put_slot(K, 2 * p, k), put_slot(V, 2 * p, v)
         x = prm.mlp_norm(h)

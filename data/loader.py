@@ -7,6 +7,7 @@ read as memmaps and cut into chunks of block_size + 1 tokens (concat-and-chunk, 
 """
 
 import importlib.util
+import math
 import os
 
 import numpy as np
@@ -79,6 +80,54 @@ class TokenLoader:
     def load_state_dict(self, s):
         # 'step' (micro-steps of one process): checkpoints written before the position was global
         self.epoch, self.pos = s['epoch'], s['pos'] if 'pos' in s else s['step'] * self.B * self.world
+
+
+def eval_batches(val_path, batch_size, block_size, eval_iters):
+    """(B, n, chunks): an evaluation scores n batches of B chunks of block_size+1 tokens from the
+    start of val.bin, which holds `chunks`: B = batch_size and n = eval_iters, or, when val.bin
+    holds fewer chunks than that (the embedded sample's split: 12 of 2,049 tokens), as many
+    whole batches of min(batch_size, chunks) as it holds."""
+    chunks = len(open_tokens(val_path)) // (block_size + 1)
+    B = min(batch_size, chunks)
+    return B, min(eval_iters, chunks // B), chunks
+
+
+@torch.no_grad()
+def evaluate(model, val_path, B, n, block_size, device, autocast, rank=0, world_size=1, progress=False):
+    """Mean next-token cross-entropy (nats) of `model` over batches 0..n-1 of B chunks of val.bin
+    (`eval_batches`), under `autocast`; batch k is scored by rank k mod world_size and the sums
+    all-reduced (every rank runs as many forwards: FSDP gathers in each). progress: a tqdm bar
+    if it takes more than 2 s and stderr is a terminal (a log file gets the result lines only)."""
+    from tqdm import tqdm
+    model.eval()
+    loader = TokenLoader(val_path, B, block_size, shuffle=False, device=device)  # one stream: step k = batch k
+    total = torch.zeros(2, device=device)
+    for i in tqdm(range(math.ceil(n / world_size)), desc='evaluating', unit='batch', leave=False, delay=2,
+                  disable=None if progress else True):
+        k = i * world_size + rank
+        loader.pos = (k if k < n else 0) * B  # past the end: a forward that counts for nothing
+        x, y = loader.next_batch()
+        with autocast:
+            _, loss = model(x, y)
+        weight = float(k < n)
+        total += torch.stack([loss.float() * y.numel() * weight, torch.tensor(y.numel() * weight, device=device)])
+    if world_size > 1:
+        torch.distributed.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def default_data_dir(dataset, prepare=True, say=print):
+    """train.py's data_dir when it names none: data/<dataset> of the repository. The default data of
+    a fresh clone, data/fineweb_edu[_<tokenizer>], is prepared from the embedded sample when absent
+    (`prepare`: on rank 0); a data_dir the user names must exist."""
+    from data.tokenizer import TOKENIZERS
+    data_dir = os.path.join(REPO_ROOT, 'data', dataset)
+    tok = 'gpt2' if dataset == 'fineweb_edu' else dataset.removeprefix('fineweb_edu_')
+    if prepare and tok in TOKENIZERS and not all(os.path.exists(os.path.join(data_dir, f))
+                                                 for f in ('train.bin', 'val.bin')):
+        prepare_embedded_sample(data_dir, tok, say=say)
+    return data_dir
 
 
 def prepare_embedded_sample(data_dir, tokenizer_name, say=print):

@@ -1,6 +1,6 @@
 """
 Triton kernels of the grouped AttnRes depth read (fast/depth_read.py, which launches them
-through fast/launch.py and documents the math). Tokens are rows of N = B * T; d = D features,
+through perf/launch.py and documents the math). Tokens are rows of N = B * T; d = D features,
 held in one block of BD = next power of 2 >= D lanes. Sources come as two tuples of (N, D)
 pointers, the fp32 ones (`src32`, the first n32 sources) and the 16-bit ones (`src16`, the next
 n16), each padded to a power-of-2 length so that few variants compile; a loop over the first n
@@ -9,6 +9,7 @@ do). Every accumulation is fp32.
 
     phase1_fwd      one program per token: online softmax of P pseudo-queries over the base
     phase2_fwd      one program per token: merge a read's phase-1 partial with its intra sources
+    sum_phase2_fwd  the same with Block AttnRes's running sum P + f formed first, its one intra source
     contribute_bwd  a grid of programs, each over a strided set of tokens: the gradient of
                     each source from R reads of it (into its fp32 sink) and the R reads' u
                     gradients (added to one partial sum per program)
@@ -125,6 +126,29 @@ def phase2_fwd(z1, lse1, e1, src32, src16, n32, n16, u, z, a, lse, N, n0, D, eps
 
 
 @triton.jit
+def sum_phase2_fwd(z1, lse1, e1, f, prev, u, z, a, P, N, n0, D, eps, HAS_PREV: tl.constexpr, BD: tl.constexpr):
+    """Per token t: P[t] = f[t] (as fp32), plus prev[t] if HAS_PREV (Block AttnRes's running
+    sum), then phase2_fwd with P the one intra source: z[t], and a[:, t] = exp([e1[:, t], e] - lse)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BD)
+    mask = offs < D
+    x = tl.load(f + t * D + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_PREV:
+        x += tl.load(prev + t * D + offs, mask=mask, other=0.0)
+    tl.store(P + t * D + offs, x, mask=mask)
+    e = tl.sum(x * tl.load(u + offs, mask=mask, other=0.0), axis=0) * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    m1 = tl.load(lse1 + t)
+    m = tl.maximum(m1, e)
+    w1, w = tl.exp(m1 - m), tl.exp(e - m)
+    s = w1 + w
+    lse = m + tl.log(s)
+    tl.store(z + t * D + offs, (w1 * tl.load(z1 + t * D + offs, mask=mask, other=0.0) + w * x) / s, mask=mask)
+    for i in range(n0):
+        tl.store(a + i * N + t, tl.exp(tl.load(e1 + i * N + t) - lse))
+    tl.store(a + n0 * N + t, tl.exp(e - lse))
+
+
+@triton.jit
 def contribute_bwd(src32, src16, n32, n16, U, gz, aw, c, zs, c_mask, bufs, write_mask, add_mask, gu, row0, P,
                    N, D, eps, R: tl.constexpr, BD: tl.constexpr):
     """For the tokens t = pid, pid + programs, ...: with the R reads (group rows row0 + r) of the
@@ -175,12 +199,13 @@ def contribute_bwd(src32, src16, n32, n16, U, gz, aw, c, zs, c_mask, bufs, write
 
 
 @triton.jit
-def finish_bwd(v, U, gz, aw, arow, c, zs, c_mask, buf, g, out, gu, row0, P, N, D, eps,
-               R: tl.constexpr, HAS_BUF: tl.constexpr, HAS_G: tl.constexpr, BD: tl.constexpr):
+def finish_bwd(v, U, gz, aw, arow, c, zs, c_mask, buf, g, out, out2, gu, row0, P, N, D, eps,
+               R: tl.constexpr, HAS_BUF: tl.constexpr, HAS_G: tl.constexpr, HAS_OUT2: tl.constexpr,
+               BD: tl.constexpr):
     """One source v's whole gradient, out[t] (v's dtype) = its share from the R reads (as in
     contribute_bwd; v is row arow[r] of read r's weights aw[r]) + buf[t] (its fp32 sum so far,
-    if HAS_BUF) + g[t] (its gradient from elsewhere, if HAS_G), for the tokens t = pid,
-    pid + programs, ...; gu as contribute_bwd."""
+    if HAS_BUF) + g[t] (its gradient from elsewhere, if HAS_G), and, if HAS_OUT2, the same in
+    out2's dtype, for the tokens t = pid, pid + programs, ...; gu as contribute_bwd."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     RR: tl.constexpr = triton.next_power_of_2(R)
@@ -214,5 +239,7 @@ def finish_bwd(v, U, gz, aw, arow, c, zs, c_mask, buf, g, out, gu, row0, P, N, D
         if HAS_G:
             gv += tl.load(g + t * D + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out + t * D + offs, gv.to(out.dtype.element_ty), mask=mask)
+        if HAS_OUT2:
+            tl.store(out2 + t * D + offs, gv.to(out2.dtype.element_ty), mask=mask)
     gout = gu + (pid * P + row0 + rows[:, None]) * D + offs[None, :]
     tl.store(gout, tl.load(gout, mask=m2, other=0.0) + g_u, mask=m2)

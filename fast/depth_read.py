@@ -37,8 +37,8 @@ import weakref
 
 import torch
 
-from fast.launch import launch
-from residuals import no_autocast
+from perf.launch import launch
+from residuals import BlockState, no_autocast
 
 G_MAX = 8  # reads per group: the step estimate's best at the 400M L = 32 shape (docs/performance.md)
 
@@ -230,7 +230,7 @@ class Phase1(torch.autograd.Function):
             z1, lse1, e1, a0 = group.ops.phase1(base, group.U, group.eps)
         group.n0 = len(base)
         ctx.group, ctx.P = group, P
-        ctx.save_for_backward(*ws, *gs, z1[0], a0, *base)
+        ctx.save_for_backward(*ws, *gs, z1[0], a0, group.U, *base)  # U saved too: kept for the backward
         ctx.set_materialize_grads(False)
         return (*z1, lse1, e1, a0)
 
@@ -241,7 +241,7 @@ class Phase1(torch.autograd.Function):
         ops = group.ops
         gz, ga = grads[0], grads[-1]  # the first read's, when it returned (z1_0, a_0) itself
         saved = ctx.saved_tensors
-        ws, gs, (z0, a0), base = saved[:P], saved[P:2 * P], saved[2 * P:2 * P + 2], saved[2 * P + 2:]
+        ws, gs, (z0, a0, _), base = saved[:P], saved[P:2 * P], saved[2 * P:2 * P + 3], saved[2 * P + 3:]
         t = task()
         stash = group.stash.setdefault(t, {})
         with no_autocast(z0):
@@ -265,7 +265,8 @@ class Phase1(torch.autograd.Function):
         if not reached:
             return (None,) * (1 + 2 * P + len(base))
         gu = ops.total_gu(gu)  # (P, d)
-        gw, gg = (gu * torch.stack(gs).to(gu.dtype)).to(ws[0].dtype), (gu * torch.stack(ws).to(gu.dtype)).to(gs[0].dtype)
+        gw = (gu * torch.stack(gs).to(gu.dtype)).to(ws[0].dtype)  # u = w g
+        gg = (gu * torch.stack(ws).to(gu.dtype)).to(gs[0].dtype)
         return (None, *[gw[p] if p in reached else None for p in range(P)],
                 *[gg[p] if p in reached else None for p in range(P)]) + (None,) * len(base)
 
@@ -297,6 +298,43 @@ class Phase2(torch.autograd.Function):
             c = None if ga is None else group.ops.rowdot(gz, z) + (a * ga).sum(0)
             group.stash.setdefault(t, {})[p] = Stashed(gz, c, a, ga, z, intra)
         return (None,) * (5 + len(intra))
+
+
+class SumPhase2(torch.autograd.Function):
+    """P' = f (cast to `dtype`) or P + f, then phase 2 of read p with P' its one intra source:
+    inputs (group, p, dtype, z1_p, lse1, e1, f[, P]) -> (z, a, P'). Backward, with gP' the
+    gradient P' gets downstream: P's gradient (gP' + this read's share of P') and f's (the same,
+    in f's dtype), from one pass."""
+
+    @staticmethod
+    def forward(ctx, group, p, dtype, z1, lse1, e1, f, *prev):
+        with no_autocast(z1):
+            z, a, P = group.ops.sum_phase2(z1, lse1[p], e1[p], f, prev[0] if prev else None, dtype, group.U[p],
+                                           group.eps)
+        ctx.group, ctx.p, ctx.prev, ctx.f_dtype = group, p, bool(prev), f.dtype
+        ctx.save_for_backward(z, a, P)
+        ctx.set_materialize_grads(False)
+        return z, a, P
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gz, ga, gP):
+        group, p = ctx.group, ctx.p
+        z, a, P = ctx.saved_tensors
+        t = task()
+        if t in group.closed:
+            raise RuntimeError("grouped depth read: a read ran backward after its group's gradients were formed "
+                               "(an order the grouped read cannot see); run with --fast=False")
+        if gz is None and ga is None:  # the read's output reached no loss: the sum alone
+            return (None,) * 6 + (None if gP is None else gP.to(ctx.f_dtype),) + ((gP,) if ctx.prev else ())
+        with no_autocast(z):
+            gz = torch.zeros_like(z) if gz is None else gz
+            c = None if ga is None else group.ops.rowdot(gz, z) + (a * ga).sum(0)
+            read = group.stash.setdefault(t, {})[p] = Stashed(gz, c, a, ga, z, [P])
+            g, g_f = group.ops.finish(P, None, gP, [group.n0], group.U, [p], [read], group.gu_of(t, z), group.eps,
+                                      cast=ctx.f_dtype)
+            group.reached.setdefault(t, set()).add(p)
+        return (None,) * 6 + (g_f,) + ((g,) if ctx.prev else ())
 
 
 # ---- the read --------------------------------------------------------------------------
@@ -331,6 +369,7 @@ def state_of(res):
     return _STATE.setdefault(res, {'bank': Bank(), 'open': None})
 
 
+@torch.compiler.disable  # Python state between reads: never traced
 def grouped_read(res, ops, sources, extra, mixer, k):
     """z, a of read k (mixer) over sources + extra: `sources` the ones later reads also hold
     (they only grow), `extra` the read's own (Block AttnRes's running sum P). The open group and
@@ -375,24 +414,69 @@ def read(ops):
     return grouped
 
 
+@torch.compiler.disable  # Python state between reads: never traced
+def grouped_read_at(self, ops, sources, partial, k, mixer, b, j):
+    """BlockAttnRes.read_at's steps with the read grouped, and the running sum P handed back as
+    the view its reads read (`Bank`), so that the gradient it gets from the next sum arrives
+    where its reads' share is formed, in one pass."""
+    boundary = self.boundary(k)
+    if boundary and partial is not None:
+        sources, partial = sources + (partial,), None
+    current = -1 if partial is None else len(sources)
+    if partial is not None:
+        partial, _ = state_of(self)['bank'].alias(partial)
+    z, a = grouped_read(self, ops, sources, () if partial is None else (partial,), mixer, k)
+    if self.tape is not None:
+        self.record(b, j, weights=a, current=torch.tensor(current))
+    return sources, partial, z, boundary
+
+
 def read_at(ops):
-    """BlockAttnRes.read_at(sources, partial, k, mixer, b, j) on grouped reads with `ops`: the
-    plain method's steps, with the read grouped and the running sum P handed back as the view
-    its reads read (`Bank`), so that the gradient it gets from the next sum arrives where its
-    reads' share is formed, in one pass."""
+    """BlockAttnRes.read_at(sources, partial, k, mixer, b, j) on grouped reads with `ops`."""
     @torch.compiler.disable
     def grouped(self, sources, partial, k, mixer, b, j):
-        boundary = self.boundary(k)
-        if boundary and partial is not None:
-            sources, partial = sources + (partial,), None
-        current = -1 if partial is None else len(sources)
-        if partial is not None:
-            partial, _ = state_of(self)['bank'].alias(partial)
-        z, a = grouped_read(self, ops, sources, () if partial is None else (partial,), mixer, k)
-        if self.tape is not None:
-            self.record(b, j, weights=a, current=torch.tensor(current))
-        return sources, partial, z, boundary
+        return grouped_read_at(self, ops, sources, partial, k, mixer, b, j)
     return grouped
+
+
+@torch.compiler.disable  # Python state between reads: never traced
+def sum_read(self, ops, sources, partial, f, k, mixer, b, j):
+    """BlockAttnRes.block's two steps after a sublayer, P <- f (cast to the sources' dtype) or
+    P + f, then read_at(k): in one pass (`SumPhase2`) where the read is one its group planned and
+    P is its only intra source (no boundary at k); else as two. -> (sources, partial, z)."""
+    dtype = sources[0].dtype
+    open_ = state_of(self)['open']
+    if self.boundary(k) or open_ is None or not open_[0].matches(sources, mixer, k) \
+            or len(sources) != len(open_[0].refs):
+        partial = f.to(dtype) if partial is None else partial + f
+        return grouped_read_at(self, ops, sources, partial, k, mixer, b, j)[:3]
+    group, pending, lse1, e1, _ = open_
+    p = k - group.k0
+    z1 = pending.pop(p)
+    group.planned.discard(p)
+    if not pending:
+        state_of(self)['open'] = None
+    group.intra_of[p] = []
+    prev = () if partial is None else (partial,)
+    z, a, partial = SumPhase2.apply(group, p, dtype, z1, lse1, e1, f, *prev)
+    if self.tape is not None:
+        self.record(b, j, weights=a, current=torch.tensor(len(sources)))
+    return sources, partial, z
+
+
+def block(ops):
+    """BlockAttnRes.block with its running sum and the read after it fused (`sum_read`), the
+    reads grouped; everything else as the plain method. Not traced by torch.compile itself (the
+    branches it calls stay compiled)."""
+    def fused(self, state, b, layer, rope):
+        sources, partial, k, mix, _ = state
+        p = self.layers[b]
+        f = layer.attn(self.attn_input(p, mix, len(sources) == 1 and partial is None), rope)
+        sources, partial, z = sum_read(self, ops, sources, partial, f, k + 1, p.mlp_mix, b, 1)
+        f = layer.mlp(p.mlp_norm(z))
+        sources, partial, mix = sum_read(self, ops, sources, partial, f, k + 2, p.out_mix, b + 1, 0)
+        return BlockState(sources, partial, k + 2, mix, self.boundary(k + 2))
+    return torch.compiler.disable(fused, recursive=False)
 
 
 # ---- the steps, in torch -----------------------------------------------------------------
@@ -436,6 +520,14 @@ class TorchOps:
         return z, torch.exp(torch.cat([e1, e]) - lse), lse
 
     @staticmethod
+    def sum_phase2(z1, lse1, e1, f, prev, dtype, u, eps):
+        """P' = f.to(dtype) (prev None) or prev + f, then phase2 with P' the one intra source:
+        -> z, a, P'."""
+        P = f.to(dtype) if prev is None else prev + f
+        z, a, _ = TorchOps.phase2(z1, lse1, e1, (P,), u, eps)
+        return z, a, P
+
+    @staticmethod
     def rowdot(x, y):
         return torch.linalg.vecdot(x, y)  # (B, T)
 
@@ -459,7 +551,8 @@ class TorchOps:
             if r.c is None:
                 r.c = TorchOps.rowdot(r.gz, r.z)
         Ur = U[pos]                                                                             # (R, d)
-        gz, c = torch.stack([r.gz for r in reads], -2), torch.stack([r.c for r in reads], -1)    # (B, T, R, d), (B, T, R)
+        gz = torch.stack([r.gz for r in reads], -2)                                             # (B, T, R, d)
+        c = torch.stack([r.c for r in reads], -1)                                               # (B, T, R)
         part = torch.zeros_like(Ur)
         for i, (v, sink) in enumerate(zip(sources, sinks)):
             rs = [i] * len(reads) if rows is None else rows[i]
@@ -479,16 +572,18 @@ class TorchOps:
         (gu if gu.dim() == 2 else gu[0]).index_add_(0, torch.tensor(pos, device=gu.device), part.to(gu.dtype))
 
     @staticmethod
-    def finish(v, buf, g, rows, U, pos, reads, gu, eps, into=None):
+    def finish(v, buf, g, rows, U, pos, reads, gu, eps, into=None, cast=None):
         """v's whole gradient in its dtype: its share from the R reads (as `contribute`, v at
         row rows[r] of read r's weights) plus buf (its sum so far, or None) and g (its gradient
         from elsewhere, or None); the reads' u gradients go to gu. into: an fp32 buffer to
-        write the sum to instead (buf itself, or a new one), which is returned."""
+        write the sum to instead (buf itself, or a new one), which is returned. cast: a dtype,
+        the sum also in it: -> (sum, sum in cast)."""
         share = _Share()
         TorchOps.contribute((v,), (share,), [rows], U, pos, reads, gu, eps)
         out = share.g if buf is None else share.g + buf
         out = out if g is None else out + g
-        return out.to(v.dtype) if into is None else into.copy_(out)
+        out = out.to(v.dtype) if into is None else into.copy_(out)
+        return out if cast is None else (out, out.to(cast))
 
 
 class _Share:
@@ -520,7 +615,8 @@ def _padded(ts, dtype, device):
     """ts (flattened to (N, d)) padded with 1-element tensors to a power-of-2 length (fewer
     compiled variants: the kernels loop over the first n at run time)."""
     flat = [t.reshape(-1, t.size(-1)) if t.dim() > 1 else t for t in ts]
-    return tuple(flat) + tuple(torch.empty(1, dtype=dtype, device=device) for _ in range(_next_pow2(len(flat)) - len(flat)))
+    pad = _next_pow2(len(flat)) - len(flat)
+    return tuple(flat) + tuple(torch.empty(1, dtype=dtype, device=device) for _ in range(pad))
 
 
 def _bd(d):
@@ -550,7 +646,7 @@ class TritonOps:
         e1 = torch.empty(P, n0, *shape[:-1], dtype=torch.float32, device=dev)
         a0 = torch.empty(n0, *shape[:-1], dtype=torch.float32, device=dev)
         launch('fast.depth_kernels', 'phase1_fwd', (N,), reads=('src32', 'src16', 'U'),
-               writes=('z1', 'lse1', 'e1', 'a0'), flops=4 * n0 * N * d * P, num_warps=8,
+               writes=('z1', 'lse1', 'e1', 'a0'), flops=4 * n0 * N * d * P, num_warps=8, maxnreg=255,
                src32=_padded(a32, torch.float32, dev), src16=_padded(low, ldt, dev), n32=len(a32), n16=len(low),
                U=U, z1=tuple(z.view(N, d) for z in z1), lse1=lse1, e1=e1, a0=a0, N=N, D=d, eps=eps,
                P=P, BD=_bd(d))
@@ -573,6 +669,23 @@ class TritonOps:
                src16=_padded(low, ldt, dev), n32=len(a32), n16=len(low), u=u, z=z.view(N, d), a=a, lse=lse,
                N=N, n0=n0, D=d, eps=eps, BD=_bd(d))
         return z, a, lse
+
+    @staticmethod
+    def sum_phase2(z1, lse1, e1, f, prev, dtype, u, eps):
+        if z1.dtype != torch.float32 or dtype != torch.float32 or f.dtype not in (torch.float32, torch.bfloat16,
+                                                                                   torch.float16):
+            return TorchOps.sum_phase2(z1, lse1, e1, f, prev, dtype, u, eps)
+        dev, d = z1.device, z1.size(-1)
+        N, n0 = z1.numel() // d, e1.size(0)
+        z, P = torch.empty_like(z1), torch.empty_like(z1)
+        a = torch.empty(n0 + 1, *z1.shape[:-1], dtype=torch.float32, device=dev)
+        dummy = torch.empty(1, dtype=torch.float32, device=dev)
+        launch('fast.depth_kernels', 'sum_phase2_fwd', (N,), reads=('z1', 'lse1', 'e1', 'f', 'prev', 'u'),
+               writes=('z', 'a', 'P'), flops=4 * N * d, num_warps=4,
+               z1=z1.view(N, d), lse1=lse1, e1=e1, f=f.reshape(N, d), prev=dummy if prev is None else prev.view(N, d),
+               u=u, z=z.view(N, d), a=a, P=P.view(N, d), N=N, n0=n0, D=d, eps=eps, HAS_PREV=prev is not None,
+               BD=_bd(d))
+        return z, a, P
 
     @staticmethod
     def rowdot(x, y):
@@ -624,7 +737,7 @@ class TritonOps:
         launch('fast.depth_kernels', 'contribute_bwd', (gu.size(0),),
                reads=('src32', 'src16', 'U', 'gz', 'aw', 'c', 'zs'), writes=('bufs', 'gu'),
                also_read=[b for b, held in slots if held] + [gu], flops=8 * len(sources) * N * d * R,
-               num_warps=TritonOps.warps(R),
+               num_warps=TritonOps.warps(R), maxnreg=255,
                src32=_padded(a32, torch.float32, dev), src16=_padded(low, ldt, dev), n32=len(a32), n16=len(low),
                U=U, gz=tuple(r.gz.reshape(N, d) for r in reads), aw=tuple(r.a.reshape(-1, N) for r in reads),
                c=c, zs=tuple(r.z.reshape(N, d) if o else dummy for r, o in zip(reads, own)),
@@ -637,27 +750,31 @@ class TritonOps:
                 r.c = ci.view(r.gz.shape[:-1])  # the c the kernel formed
 
     @staticmethod
-    def finish(v, buf, g, rows, U, pos, reads, gu, eps, into=None):
-        if v.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not _consecutive(pos) \
+    def finish(v, buf, g, rows, U, pos, reads, gu, eps, into=None, cast=None):
+        low = (torch.float32, torch.bfloat16, torch.float16)
+        if v.dtype not in low or (cast is not None and cast not in low) or not _consecutive(pos) \
                 or TritonOps._torch(U, reads):
-            return TorchOps.finish(v, buf, g, rows, U, pos, reads, gu, eps, into)
+            return TorchOps.finish(v, buf, g, rows, U, pos, reads, gu, eps, into, cast)
         dev, d, R = U.device, U.size(-1), len(reads)
         N = v.numel() // d
         c, own = TritonOps._c(reads, dev)
         dummy = torch.empty(1, dtype=torch.float32, device=dev)
         out = torch.empty_like(v) if into is None else into  # into: in place of buf, each element read, then written
+        out2 = dummy if cast is None else torch.empty(v.shape, dtype=cast, device=dev)
         launch('fast.depth_kernels', 'finish_bwd', (gu.size(0),), reads=('v', 'U', 'gz', 'aw', 'c', 'zs', 'buf', 'g'),
-               writes=('out', 'gu'), also_read=[gu], flops=8 * N * d * R, num_warps=TritonOps.warps(R),
+               writes=('out', 'out2', 'gu'), also_read=[gu], flops=8 * N * d * R, num_warps=TritonOps.warps(R),
+               maxnreg=255,
                v=v.reshape(N, d), U=U, gz=tuple(r.gz.reshape(N, d) for r in reads),
                aw=tuple(r.a.reshape(-1, N) for r in reads), arow=tuple(rows), c=c,
                zs=tuple(r.z.reshape(N, d) if o else dummy for r, o in zip(reads, own)),
                c_mask=sum(1 << i for i, o in enumerate(own) if o), buf=dummy if buf is None else buf.view(N, d),
-               g=dummy if g is None else g.reshape(N, d), out=out.view(N, d), gu=gu, row0=pos[0], P=gu.size(1),
-               N=N, D=d, eps=eps, R=R, HAS_BUF=buf is not None, HAS_G=g is not None, BD=_bd(d))
+               g=dummy if g is None else g.reshape(N, d), out=out.view(N, d), out2=out2.view(-1, d) if cast else out2,
+               gu=gu, row0=pos[0], P=gu.size(1), N=N, D=d, eps=eps, R=R, HAS_BUF=buf is not None,
+               HAS_G=g is not None, HAS_OUT2=cast is not None, BD=_bd(d))
         for r, o, ci in zip(reads, own, c):
             if o:
                 r.c = ci.view(r.gz.shape[:-1])
-        return out
+        return out if cast is None else (out, out2)
 
     @staticmethod
     def warps(R):
@@ -671,4 +788,5 @@ def _rows_from(r, i):
 
 
 def _pad_tuple(ts, dev):
-    return tuple(ts) + tuple(torch.empty(1, dtype=torch.float32, device=dev) for _ in range(_next_pow2(len(ts)) - len(ts)))
+    pad = _next_pow2(len(ts)) - len(ts)
+    return tuple(ts) + tuple(torch.empty(1, dtype=torch.float32, device=dev) for _ in range(pad))

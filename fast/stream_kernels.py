@@ -1,6 +1,6 @@
 """
 Triton kernels of the fused HC / mHC stream steps (fast/streams.py, which launches them through
-fast/launch.py and documents the math). Tokens are rows of N = B * T; a token's streams are m
+perf/launch.py and documents the math). Tokens are rows of N = B * T; a token's streams are m
 rows of d = D features (H (N, m, D) fp32), padded to MP = next power of 2 >= m streams and BD
 lanes. Every accumulation is fp32; the branch output y is read and its gradient written in its
 own dtype.

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fast.launch import launch
+from perf.launch import launch
 from residuals import LIGER_SINKHORN_EPS, MHC, no_autocast
 
 PENDING = '_streams_next'  # attribute of a step's output streams: (route, x, A_m, A_r, beta) of the planned read

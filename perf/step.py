@@ -18,7 +18,7 @@ dispatch mode (`StepCount`) sees every aten op of forward and backward and count
   FLOPs    torch.utils.flop_counter's formulas (matrix products, attention) and cost.py's
            for mv / addmv / dot / addcmul; elementwise work counts 0
   saved    the bytes autograd keeps for the backward (saved-tensor hooks, each storage
-           once, weights excluded), as cost.saved_activation_bytes counts them
+           once, weights excluded), as plan.memory.saved_activation_bytes counts them
 
 What a CUDA run would launch, modelled on a CPU build of torch:
   - fake tensors live on the CPU (autograd cannot run on fake CUDA tensors in a CPU
@@ -29,11 +29,14 @@ What a CUDA run would launch, modelled on a CPU build of torch:
     same inputs, outputs and saved tensors as CUDA's flash attention);
   - F.rms_norm is one kernel forward and two backward (CUDA's fused RMSNorm; the CPU
     decomposes it into five ops);
-  - with fast='cuda', the fast paths of fast/ that CUDA selects when fla-core and
-    liger-kernel are installed, the Triton kernels replaced by counting stand-ins
-    (`KERNELS`) that read and write the tensors the real kernels do, from the packages'
-    sources (fla-core 0.6.0 fla/ops/attnres/fused.py, liger-kernel 0.8.5
-    liger_kernel/ops/mhc.py): the torch code around the kernels runs as it is.
+  - with fast='cuda', the fast paths of fast/ that CUDA selects when Triton and
+    liger-kernel are installed: the project's own Triton kernels run up to their launch
+    (perf/launch.py), which is recorded as one kernel with the bytes of the tensors it is
+    given to read and write; Liger's kernels, and fla-core's AttnRes kernel for the
+    comparison rows ('cuda_fla'), are counting stand-ins (`KERNELS`) that read and write
+    the tensors the real kernels do, from the packages' sources (liger-kernel 0.8.5
+    liger_kernel/ops/mhc.py, fla-core 0.6.0 fla/ops/attnres/fused.py); the torch code
+    around every kernel runs as it is.
 
 Time model: Pre-LN's micro-step takes its model FLOPs (model.flops_per_token) at PRELN_MFU
 of the peak, what a compiled nanoGPT-class step reaches; a scheme takes that plus the time
@@ -68,7 +71,7 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 import cost
 import fast
-from fast.launch import Recorder
+from perf.launch import Recorder
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -442,7 +445,7 @@ def cuda_paths(model, kernels=True, fla=False, liger=False):
     published kernels they are measured against."""
     res, chosen = model.residual, {}
     if fla and isinstance(res, fast.FLA_READ.scheme):
-        chosen = {'read': fast.FLA_READ, 'read_at': None}
+        chosen = {'read': fast.FLA_READ, 'read_at': None, 'block': None}
     if liger and isinstance(res, fast.LIGER_PATHS[1].scheme):  # MultiStream: HC and mHC
         chosen = {p.method: p for p in fast.LIGER_PATHS if isinstance(res, p.scheme) and p.applies(model.config)}
         chosen['block'] = None

@@ -1,1 +1,2 @@
-"""Plans of a training run made before its first step: memory.py, the training-memory plan."""
+"""Plans of a training run made before its first step: checks.py, what train.py refuses (each in
+one line); memory.py, the training-memory plan."""

@@ -5,7 +5,13 @@ planner and --auto_batch use it; `python cost.py --memory=CONFIG` prints it for 
 """
 
 import contextlib
+import math
 import os
+import re
+import sys
+import time
+
+from dataclasses import replace
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -304,6 +310,55 @@ def train_memory(cfg, batch, seq_len, device='cpu', dtype='float32', probe_token
     return out
 
 
+def probe_depths(cfg):
+    """Three depths L, 2L, 3L below cfg.n_layer at which GPT(cfg) is the same scheme (it builds, and
+    its notes read as the full depth's with their numbers aside: "4 blocks of 2 sublayers" is
+    "4 blocks of 8" at another depth, while Block AttnRes in blocks of one sublayer says it is Full
+    AttnRes), the smallest such L; None when 3L reaches cfg.n_layer (probe the model itself).
+    Built on the meta device."""
+    def notes(L):
+        try:
+            with torch.device('meta'):
+                return [re.sub(r'[0-9][0-9,]*', 'N', line) for line in GPT(replace(cfg, n_layer=L)).residual.notes()]
+        except ValueError:
+            return None
+    full = notes(cfg.n_layer)
+    step = next((L for L in range(1, cfg.n_layer // 3 + 1) if notes(L) == full and notes(2 * L) == full
+                 and notes(3 * L) == full), None)
+    return None if step is None or 3 * step >= cfg.n_layer else (step, 2 * step, 3 * step)
+
+
+def train_memory_by_depth(cfg, batch, seq_len, device='cpu', dtype='float32', fast=None, compiled=False,
+                          depths=None):
+    """train_memory of GPTConfig `cfg` measured on three shallower copies (probe_depths: L, 2L, 3L
+    blocks) and extrapolated to cfg.n_layer: each part that is not 16 bytes per parameter
+    (autocast's weight copies, the activations and the backward's peak at each micro-batch) is
+    fitted as a + b L + c L² (exact for bytes that grow with depth as a block's activations do,
+    or as the square of it, as the depth sources every AttnRes or MoDA block reads); the
+    parameters are counted on the meta device. The probes then hold three shallow models, not
+    the full one: the plan of a model too large to probe whole. Same dict as train_memory."""
+    import numpy as np
+    depths = depths or probe_depths(cfg)
+    plans = {L: train_memory(replace(cfg, n_layer=L), batch, seq_len, device, dtype, fast=fast, compiled=compiled)
+             for L in depths}
+    with torch.device('meta'):
+        n = GPT(cfg).num_params()
+    at = lambda ys: float(np.polyval(np.polyfit(list(depths), ys, 2), cfg.n_layer))  # noqa: E731
+
+    def rest(L, B):  # what the plan at depth L holds at micro-batch B beyond 16 bytes per parameter
+        return plans[L]['predict'](B) - 4 * plans[L]['params']
+
+    def predict(B):
+        """The predicted peak (bytes) at micro-batch B, same seq_len."""
+        return 16 * n + at([rest(L, B) for L in depths])
+    out = dict(params=4 * n, grads=4 * n, adamw=8 * n,
+               **{k: round(at([plans[L][k] for L in depths])) for k in ('weight_copies', 'activations', 'backward')})
+    out['total'] = sum(out.values())
+    out['per_sequence'] = predict(batch + 1) - predict(batch)
+    out['predict'] = predict
+    return out
+
+
 # -----------------------------------------------------------------------------
 # the plan against the device's memory: the micro-batch that fits, and the lines train.py prints
 
@@ -432,6 +487,85 @@ def auto_micro_batch(sequences, predict, budget):
                      f"{budget / 2**30:.1f} GiB available: use a smaller model, shorter block_size, or FSDP")
 
 
+def hold_static(cfg, device, memory_gib=None):
+    """(bytes, what they are) of the memory train.py's plan is held against (--memory_gib, else
+    `device_memory`), once the run's static bytes, 16 per parameter (fp32 weights, gradients,
+    AdamW's two moments; counted on the meta device: nothing is allocated), have been held
+    against them: before the model is built and probed at full width. Raises ValueError (the
+    one line) when those alone pass the share of the memory a run may fill (RUN_FILL)."""
+    with torch.device('meta'):
+        n = GPT(cfg).num_params()
+    dev = torch.device(device)
+    device_bytes, what = (memory_gib * 2**30, f"--memory_gib={memory_gib:g}") if memory_gib else device_memory(dev)
+    fill = RUN_FILL.get(dev.type, AUTO_BATCH_FILL)
+    if device_bytes is not None and 16 * n > fill * device_bytes:
+        share = f"{fill:.0%} of " if fill < 1 else ''
+        raise ValueError(f"the run does not fit in memory: its {n:,} parameters alone need {16 * n / 2**30:.1f} GiB "
+                         f"(16 bytes each: weights, gradients and AdamW's moments), more than {share}the "
+                         f"{device_bytes / 2**30:.1f} GiB available ({what}); use a smaller model, FSDP under "
+                         f"torchrun, or a machine with more memory")
+    return device_bytes, what
+
+
+def plan_run(model, paths, batch, seq_len, accum, world_size, dtype, compiled, device_bytes, what, auto_batch,
+             say=print):
+    """train.py's plan: `train_memory` of `model` (its fast paths `paths`; `compiled`: inductor's
+    partition), said in one line (`say`), then held against `device_bytes` (`hold_static`'s):
+    the micro-batch that fits with auto_batch, else the one line the run stops with when it does
+    not fit. Returns (micro-batch, gradient_accumulation_steps of this process); raises ValueError."""
+    dev = next(model.parameters()).device
+    if auto_batch and device_bytes is None:
+        raise ValueError(f"auto_batch=True needs the device's memory, which {dev.type} does not report: give "
+                         f"--memory_gib=...")
+    t = time.time()
+    depths = probe_depths(model.config)  # a deep model: three shallow copies probed, not the model itself
+    if depths:
+        mem = train_memory_by_depth(model.config, batch, seq_len, dev, dtype, fast=paths, compiled=compiled,
+                                    depths=depths)
+    else:
+        mem = train_memory(model.config, batch, seq_len, dev, dtype, model=model, fast=paths, compiled=compiled)
+    say(format_memory(mem, device_bytes, what) + f" [probed in {time.time() - t:.0f} s"
+        + (f" at depths {', '.join(map(str, depths))}, extrapolated]" if depths else "]"))
+    if auto_batch:
+        batch, accum = auto_micro_batch(batch * accum, mem['predict'], AUTO_BATCH_FILL * device_bytes)
+        say(f"auto_batch: micro-batch {batch}, gradient_accumulation_steps {accum}")
+    elif device_bytes is not None:  # stop now, not mid-step (on the CPU: under the kernel's OOM killer, silently)
+        msg = fit_message(mem, batch, seq_len, accum, device_bytes, what,
+                          RUN_FILL.get(dev.type, AUTO_BATCH_FILL), world_size)
+        if msg:
+            raise ValueError(msg)
+    return batch, accum
+
+
+def out_of_memory(exc):
+    """(the out-of-memory error in exc or in its chain of causes, whether compilation raised it):
+    torch.compile wraps what its backend raises (BackendCompilerFailed.inner_exception); (None,
+    False) for another error."""
+    compiling, seen = False, set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        compiling = compiling or type(exc).__module__.startswith(('torch._dynamo', 'torch._inductor'))
+        if isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and any(
+                w in str(exc).lower() for w in ('out of memory', "can't allocate memory"))):  # CUDA's, the CPU's
+            return exc, compiling
+        exc = getattr(exc, 'inner_exception', None) or exc.__cause__ or exc.__context__
+    return None, False
+
+
+def oom_hook(run, default=sys.excepthook):
+    """A sys.excepthook (train.py's): an out-of-memory error (`out_of_memory`) is one line,
+    `oom_message` of run() = (shape with residual, n_layer, n_embd; micro-batch; seq_len; global
+    accumulation) and the command line's config file; any other error goes to `default`."""
+    def hook(kind, value, tb):
+        oom, compiling = out_of_memory(value)
+        if oom is None:
+            return default(kind, value, tb)
+        config_file = next((a for a in sys.argv[1:] if not a.startswith('--')), None)
+        msg = oom_message(*run(), 'compiling' if compiling else None, config_file)
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    return hook
+
+
 def oom_message(cfg, batch, seq_len, accum, where=None, config_file=None):
     """The one line train.py prints for an out-of-memory error: the config (file and shape),
     where it ran out (e.g. 'compiling'), its micro-batch and the options that fix it."""
@@ -478,11 +612,24 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=N
     ns = dict(batch_size=8, block_size=1024, gradient_accumulation_steps=8, vocab_size=None, compile=None,
               fast='auto')
     try:
-        exec(compile(open(path).read(), path, 'exec'), {}, ns)
+        with open(path, 'rb') as f:
+            source = f.read().decode('utf-8')
+        exec(compile(source, path, 'exec'), {}, ns)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {e.start}): a config file is Python source") \
+            from None
     except Exception as e:  # a config file is Python: a mistake in it is the user's, one line
         raise ValueError(f"config file {path} failed: {type(e).__name__}: {e}") from None
     names = {f.name for f in fields(GPTConfig)}
     kw = {k: v for k, v in ns.items() if k in names and v is not None}
+    # counts are whole numbers >= 1, other numbers finite: an inf or a nan would reach a shape or a loop bound
+    counts = {'batch_size', 'block_size', 'gradient_accumulation_steps'} | \
+        {f.name for f in fields(GPTConfig) if f.type in (int, int | None)}
+    for k, v in [(k, ns[k]) for k in ('batch_size', 'block_size', 'gradient_accumulation_steps')] + list(kw.items()):
+        if k in counts and (type(v) is not int or v < 1):
+            raise ValueError(f"config file {path}: {k} = {v!r} must be a whole number >= 1")
+        if type(v) is float and not math.isfinite(v):
+            raise ValueError(f"config file {path}: {k} = {v!r} is not a finite number")
     kw.setdefault('vocab_size', 50280)
     try:
         cfg = GPTConfig(**kw)
@@ -504,7 +651,9 @@ def memory_main(path, device='cpu', dtype='float32', budget_gib=None, compiled=N
         paths = fastpath.setup(model, on, device)
     except fastpath.FastPathMismatch as e:
         raise ValueError(str(e)) from None
-    mem = train_memory(cfg, B, T, device, dtype, model=model, fast=paths, compiled=compiled)
+    depths = probe_depths(cfg)  # as train.py plans: a deep model through three shallow copies
+    mem = train_memory_by_depth(cfg, B, T, device, dtype, fast=paths, compiled=compiled, depths=depths) if depths \
+        else train_memory(cfg, B, T, device, dtype, model=model, fast=paths, compiled=compiled)
     print(format_memory(mem))
     if budget_gib is not None:
         b, acc = auto_micro_batch(B * ns['gradient_accumulation_steps'], mem['predict'],

@@ -29,6 +29,28 @@ JACOBIAN_PROBES = 16          # random probe vectors per block (0 = exact, D pro
 USEFULNESS_THRESHOLD = 0.10   # a block is significant when its linear stand-in raises the loss by > 10%
 
 # -----------------------------------------------------------------------------
+# per-block health during training (train.py's log rows)
+
+
+def block_stats(model, x, ctx):
+    """Per-block depth health, practitioners' signals beside the paper's Sec. 4 diagnostics, after a
+    backward: the gradient norm of each block's parameters (branches + the scheme's block
+    parameters) and the RMS of each block's probe state on the first 2 sequences of micro-batch x
+    (B, T), under `ctx` (autocast). Returns {'block_grad_norm': [L], 'block_act_rms': [L]}."""
+    grads = []
+    for b in range(model.config.n_layer):
+        params = list(model.blocks[b].parameters())
+        if hasattr(model.residual, 'layers'):
+            params += list(model.residual.layers[b].parameters())
+        g = [p.grad.float().norm() for p in params if p.grad is not None]
+        grads.append(torch.stack(g).norm().item() if g else 0.0)
+    record = []
+    with torch.no_grad(), ctx:
+        model.hidden(x[:2], record=record)
+    rms = [z.float().pow(2).mean().sqrt().item() for z, _ in record[1:]]
+    return {'block_grad_norm': grads, 'block_act_rms': rms}
+
+# -----------------------------------------------------------------------------
 # the depth state as a slot of the scheme state
 
 

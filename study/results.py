@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import textwrap
 
@@ -46,9 +47,23 @@ def run_status(run, root=None):
     return 'new'
 
 
+running = []  # the child processes running now: study/sweep.py passes a Ctrl-C or SIGTERM on to them
+
+
 def run_command(cmd, cwd):
-    """Run cmd in cwd with its output streaming to ours; return its exit status."""
-    return subprocess.run(cmd, cwd=cwd).returncode
+    """Run cmd in cwd with its output streaming to ours; return its exit status. The child ignores
+    a terminal's Ctrl-C (the sweep passes it on as SIGTERM: train.py says where it resumes,
+    probe.py ends without a traceback); an exception here (the sweep's signal) waits for the child
+    to end first, so that its files are whole."""
+    child = subprocess.Popen(cmd, cwd=cwd, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    running.append(child)
+    try:
+        return child.wait()
+    except BaseException:
+        child.wait()
+        raise
+    finally:
+        running.remove(child)
 
 
 def _read_json(path):

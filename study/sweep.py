@@ -52,22 +52,28 @@ line saying so) and left out of the summary, so delete those out_dirs (or use a 
 of the repo) before the real sweep.
 """
 
-import hashlib
-import json
 import os
-import platform
-import re
-import shlex
-import signal
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
+if __name__ == '__main__':  # Ctrl-C or SIGTERM while the libraries load: one line (main's handler then takes over)
+    from configurator import stop_while_starting
+    stop_while_starting()
+
+import contextlib  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
 import checkpoint  # noqa: E402
-from study import families, mini  # noqa: E402
+from study import families, mini, results  # noqa: E402
 from study.results import (_budget, _read_json, _with_loss, format_summary, plot_loss_vs_ratio, plot_loss_vs_size,  # noqa: E402
-                           read_all, read_result, run_status, seeded, summarize)
+                           read_all, read_result, run_command, run_status, seeded, summarize)
 
 ROOT = families.ROOT
 OPTIONS = {  # option -> (default, help)
@@ -128,33 +134,58 @@ def format_command(cmd):
     return ' '.join(a if '$' in a and re.fullmatch(r'[-\w=$]+', a) else shlex.quote(a) for a in cmd)
 
 
-class Terminated(Exception):
-    """The sweep got SIGTERM (a scheduler's notice before it kills): its running train.py got it too."""
+class Stopped(Exception):
+    """The sweep got Ctrl-C or SIGTERM (signum); its running child has been sent SIGTERM."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
-_running = {'child': None, 'run': None}  # the train.py process now running, and its run
+_state = {'phase': None, 'defer': False, 'pending': None}  # phase: 'training', 'probing', 'collecting'
+_running = {'run': None}  # the run whose train.py is running (or ran last), for the resume line
 
 
-def on_sigterm(signum, frame):
-    """SIGTERM: passed on to the running train.py (which writes no partial checkpoint and says
-    where its resume starts); run_command waits for it, then the sweep stops (main says so)."""
-    child = _running['child']
-    if child is not None and child.poll() is None:
-        child.send_signal(signal.SIGTERM)
-    raise Terminated
+def on_signal(signum, frame=None):
+    """Ctrl-C or SIGTERM at any moment (main installs it): passed on as SIGTERM to the running child
+    (train.py ends its checkpoint write and says where it resumes; probe.py ends, its finished
+    results whole), which run_command waits for; then the sweep stops with one line (main). While
+    results are written (`deferred`) the stop waits for the end of the writing. A later signal
+    is only passed on."""
+    for child in list(results.running):
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    if _state['pending'] is not None:
+        return
+    _state['pending'] = signum
+    if not _state['defer']:
+        raise Stopped(signum)
 
 
-def run_command(cmd, cwd):
-    """Run cmd in cwd with its output streaming to ours; return its exit status."""
-    child = subprocess.Popen(cmd, cwd=cwd)
-    _running['child'] = child
+@contextlib.contextmanager
+def deferred(phase):
+    """A phase that writes results (JSON, figures): a signal during it stops the sweep at its end,
+    so that no file is left half-written."""
+    _state.update(phase=phase, defer=True)
     try:
-        return child.wait()
-    except Terminated:  # on_sigterm has passed it on: the run ends its write and says where it resumes
-        child.wait()
-        raise
+        yield
     finally:
-        _running['child'] = None
+        _state['defer'] = False
+    if _state['pending'] is not None:
+        raise Stopped(_state['pending'])
+
+
+def stopped_line(signum):
+    """The one line of a sweep stopped by a signal: what it was doing and what the same command does next."""
+    what = 'interrupted' if signum == signal.SIGINT else f'terminated ({signal.Signals(signum).name})'
+    phase = _state['phase']
+    if phase == 'probing':
+        return f"{what} while probing: the probes that finished are kept; the same command probes the rest"
+    if phase == 'collecting':
+        return f"{what} while collecting: the results were written whole first; the same command does what is left"
+    if phase == 'training':
+        return f"{what}; {resume_line()}"
+    return f"{what} while starting: nothing was written; run the same command again"
 
 
 def machine():
@@ -280,6 +311,7 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
             continue
         print(f"=== {head}: {'resuming' if status == 'interrupted' else 'starting'}\n$ {format_command(cmd)}", flush=True)
         _running['run'] = (r, root)
+        _state['phase'] = 'training'
         commit, t0 = code_version(root), time.time()
         rc = run_command(cmd, root)
         record_wall_time(r, root, time.time() - t0, commit)
@@ -431,42 +463,51 @@ def main(argv):
             print(f"  {k:<15} {text}" + (f" (default {default!r})" if default not in (None, '') else ""))
         return 0 if argv else 2
     try:
-        opts = parse_args(argv)
-        failures = []
-        if not opts['plot_only']:
-            failures = sweep(opts['family'], opts['schemes'], opts['shapes'], opts['extra'], opts['run'],
-                             opts['nproc_per_node'], opts['nnodes'], seeds=opts['seeds'], seed=opts['seed'])
+        return _main(argv)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    except Terminated:
-        print(f"terminated (SIGTERM); {resume_line()}", file=sys.stderr, flush=True)
-        return 128 + signal.SIGTERM
+    except KeyboardInterrupt:  # main called without on_signal installed (from Python)
+        print(stopped_line(signal.SIGINT), file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+    except Stopped as e:
+        print(stopped_line(e.signum), file=sys.stderr, flush=True)
+        return 128 + e.signum
+
+
+def _main(argv):
+    """main's work: train (sweep), probe, collect and plot; its errors and signals are main's lines."""
+    opts = parse_args(argv)
+    failures = []
+    if not opts['plot_only']:
+        failures = sweep(opts['family'], opts['schemes'], opts['shapes'], opts['extra'], opts['run'],
+                         opts['nproc_per_node'], opts['nnodes'], seeds=opts['seeds'], seed=opts['seed'])
     if opts['run'] == 'print' and not opts['plot_only']:
         return 0
     n_seeds = max(opts['seeds'], (opts['seed'] or 0) + 1)
     if opts['family'] == 'mini':  # the mini study: probes of every seed's deepest models, the paper's table
         if opts['probe'] and opts['run'] == 'local':
+            _state['phase'] = 'probing'
             failures += mini.probe_missing(ROOT, n_seeds)
-        rows = read_all('mini', ROOT, n_seeds)
-        if opts['plot_only'] and not any(r['status'] == 'finished' for r in rows) \
-                and os.path.exists(os.path.join(ROOT, mini.RESULTS)):
-            print(f"no finished run in out/mini: reading the committed {mini.RESULTS}")
-            mini.report(mini._read(os.path.join(ROOT, mini.RESULTS)), os.path.join(ROOT, 'out', 'mini'))
-        else:
-            results = mini.collect(ROOT, n_seeds)
-            collect('mini', ROOT, n_seeds, warn=False)
-            os.makedirs(os.path.join(ROOT, 'out', 'mini'), exist_ok=True)
-            checkpoint.write_json(os.path.join(ROOT, 'out', 'mini', 'study.json'), results)
-            mini.report(results, os.path.join(ROOT, 'out', 'mini'))
+        with deferred('collecting'):
+            rows = read_all('mini', ROOT, n_seeds)
+            if opts['plot_only'] and not any(r['status'] == 'finished' for r in rows) \
+                    and os.path.exists(os.path.join(ROOT, mini.RESULTS)):
+                print(f"no finished run in out/mini: reading the committed {mini.RESULTS}")
+                mini.report(mini._read(os.path.join(ROOT, mini.RESULTS)), os.path.join(ROOT, 'out', 'mini'))
+            else:
+                study = mini.collect(ROOT, n_seeds)
+                collect('mini', ROOT, n_seeds, warn=False)
+                os.makedirs(os.path.join(ROOT, 'out', 'mini'), exist_ok=True)
+                checkpoint.write_json(os.path.join(ROOT, 'out', 'mini', 'study.json'), study)
+                mini.report(study, os.path.join(ROOT, 'out', 'mini'))
     else:
-        rows = collect(opts['family'], seeds=n_seeds)
-        print(format_summary(rows))
-        plot(opts['family'], rows)
+        with deferred('collecting'):
+            rows = collect(opts['family'], seeds=n_seeds)
+            print(format_summary(rows))
+            plot(opts['family'], rows)
         if opts['probe'] and opts['run'] == 'local':
+            _state['phase'] = 'probing'
             failures += probe_deepest(opts['family'], opts['schemes'], opts['shapes'])
     if failures:
         print(f"{len(failures)} run(s) failed:", file=sys.stderr)
@@ -489,5 +530,6 @@ def resume_line():
 
 
 if __name__ == '__main__':
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, on_signal)  # Ctrl-C and SIGTERM at any moment: one line (main)
+    signal.signal(signal.SIGTERM, on_signal)
     sys.exit(main(sys.argv[1:]))

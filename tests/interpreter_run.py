@@ -128,20 +128,30 @@ def case_liger_write():
                    (H, Mx, w, y), [H, Mx, w, y])
 
 
-def depth_reads(res, read, srcs, dtype, chain, weighted):
+def sum_read_plain(res, sources, partial, f, k, mixer, b, j):
+    """BlockAttnRes.block's steps after a sublayer, in the plain code: P <- f or P + f, read_at."""
+    partial = f.to(sources[0].dtype) if partial is None else partial + f
+    return type(res).read_at(res, sources, partial, k, mixer, b, j)[:3]
+
+
+def depth_reads(res, read, srcs, dtype, chain, weighted, summed=None):
     """The 2L depth reads of AttnRes scheme `res` in the model's order with the method `read`
     (AttnRes.read's or BlockAttnRes.read_at's signature); srcs: the leaves (x fp32, then a
     source per read in `dtype`; Block AttnRes: a running sum per read, fp32). chain: each read's
     z (cast to dtype) is added to the next read's source, as a sublayer's output would be
-    (the model's backward order); else the reads are independent (another order). Returns
-    ([z...] + ([a...] if weighted)), the outputs the loss weights."""
+    (the model's backward order); else the reads are independent (another order). summed: Block
+    AttnRes through BlockAttnRes.block's sum-then-read steps instead, `summed(res, sources, P, f,
+    k, mixer, b, j)`, srcs the sublayer outputs f. Returns ([z...] + ([a...] if weighted)), the
+    outputs the loss weights."""
     from fast.depth_read import read_order
     order, zs, a_s = read_order(res), [], []
     block = hasattr(res, 'read_at')
     sources, partial, prev = ((srcs[0],), None, None) if block else ([srcs[0]], None, None)
     for k in range(1, len(order) + 1):
         v = srcs[k] if prev is None else srcs[k] + prev.to(srcs[k].dtype)
-        if block:
+        if summed is not None:
+            sources, partial, z = summed(res, sources, partial, v, k, order[k - 1], k // 2, 1 - k % 2)
+        elif block:
             partial = v if partial is None or not chain else partial + v
             sources, partial, z, _ = read(res, sources, partial, k, order[k - 1], k // 2, 1 - k % 2)
         else:
@@ -153,7 +163,7 @@ def depth_reads(res, read, srcs, dtype, chain, weighted):
     return zs + (a_s if weighted else [])
 
 
-def case_depth(scheme, G, dtype, chain=False, weighted=False, big=False):
+def case_depth(scheme, G, dtype, chain=False, weighted=False, big=False, summed=False):
     """The grouped depth read on its Triton kernels (fast.depth_read.TritonOps) and the plain read,
     each against the plain read in fp64 on the same inputs, over all 2L = 8 reads of a 4-block
     scheme (d = 24: a block of 32 lanes, 8 masked; N = 5 tokens over 2 backward programs: a
@@ -172,14 +182,16 @@ def case_depth(scheme, G, dtype, chain=False, weighted=False, big=False):
             for m in dr.read_order(res):
                 m.query.mul_(40)
     srcs = [leaf(1, 5, 24, g=g)] + [(torch.randn(1, 5, 24, generator=g) * (0.5 + k % 3)).to(
-        torch.float32 if scheme == 'blockattnres' else low).requires_grad_() for k in range(1, 9)]
+        torch.float32 if scheme == 'blockattnres' and not summed else low).requires_grad_() for k in range(1, 9)]
     plain = type(res).read_at if scheme == 'blockattnres' else type(res).read
     fast_read = (dr.read_at if scheme == 'blockattnres' else dr.read)(dr.TritonOps)
     ref = copy.deepcopy(res).double()
 
     def run(r, fn, leaves):
         params = [p for m in dr.read_order(r) for p in (m.query, m.key_norm.weight)]
-        outs = depth_reads(r, fn, leaves, leaves[1].dtype, chain, weighted)
+        how = None if not summed else sum_read_plain if fn is plain else \
+            lambda *a: dr.sum_read(a[0], dr.TritonOps, *a[1:])
+        outs = depth_reads(r, fn, leaves, leaves[1].dtype, chain, weighted, how)
         w = torch.Generator().manual_seed(2)
         loss = sum((o.double() * torch.randn(o.shape, generator=w, dtype=torch.float64)).sum() for o in outs)
         return [o.detach() for o in outs], torch.autograd.grad(loss, leaves + params, allow_unused=True)
@@ -218,18 +230,6 @@ def case_streams(scheme, dtype, m=4, programs=3, **kw):
         st.TritonOps.PROGRAMS = saved
 
 
-def case_moda(dtype, n_kv_head=4):
-    """MoDA's block on the depth cache with its Triton kernels (fast.moda.TritonOps) and the plain
-    MoDA.block, each against the plain model in fp64 on the same weights and tokens: a 4-block
-    model (blocks reading 0, 2, 4 and 6 depth slots; the writes of 1 and 2 slots), T = 5 tokens
-    (one block of 64, masked), head_dim 6 (a block of 16 lanes, 10 masked), MHA or GQA (4 query
-    heads on `n_kv_head`), fp32 or under bf16 autocast. Returns as `case_streams`."""
-    from fast import moda
-    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_embd=24, n_head=4, n_kv_head=n_kv_head,
-                    residual='moda')
-    return _whole_model(cfg, lambda res: moda.block(moda.TritonOps).__get__(res), dtype)
-
-
 def _whole_model(cfg, fast_block, dtype):
     """([(fast, plain) error of the loss], [... of each parameter's gradient]) of a training step of
     GPT(cfg) with its scheme's block replaced by `fast_block(res)` and plain, against fp64."""
@@ -266,14 +266,15 @@ def case_guard_depth():
     """The start-up guard given the Triton paths of the grouped read under the interpreter: the
     fp32 twin (as on CUDA: 2e-3) and bf16 autocast; None where accepted, else the refusal."""
     out = {}
-    for residual in ('attnres', 'blockattnres'):
+    for residual, name in (('attnres', 'attnres_group_triton'), ('blockattnres', 'blockattnres_group_triton'),
+                           ('blockattnres', 'blockattnres_sum_triton')):
         model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=D, n_head=4, residual=residual))
-        paths = [p for p in fast.FAST_PATHS if p.name == residual + '_group_triton']
+        paths = [p for p in fast.FAST_PATHS if p.name == name]
         try:
             fast.check(model, paths, 'cpu', torch.bfloat16, twin_dtype=torch.float32)
-            out[residual] = None
+            out[name] = None
         except fast.FastPathMismatch as e:
-            out[residual] = str(e)
+            out[name] = str(e)
     return out, []
 
 
@@ -297,8 +298,8 @@ def case_guard_bf16():
 
 
 def case_guard_fused(*schemes):
-    """The start-up guard given the Triton paths of the fused stream steps and of MoDA's depth cache
-    under the interpreter: the fp32 twin (as on CUDA: 2e-3) and bf16 autocast; None where accepted,
+    """The start-up guard given the Triton paths of the fused stream steps under the interpreter:
+    the fp32 twin (as on CUDA: 2e-3) and bf16 autocast; None where accepted,
     else the refusal."""
     out = {}
     for residual in schemes:
@@ -323,13 +324,6 @@ PLANTS = {
     'sinkhorn_rounds_in_bf16': ('fast.stream_kernels', "    return tl.where(vm, P / s, 0.0), s\n",
                                 "    return tl.where(vm, (P / s).to(tl.bfloat16).to(tl.float32), 0.0), s\n",
                                 'mhc', lambda: case_streams('mhc', 'fp32', mhc_sinkhorn_iters=5)),
-    # the depth read's values one slot late (slot S, the block's own, is read and slot 0 is not)
-    'depth_cache_slot_off_by_one': ('fast.moda_kernels',
-                                    "        V = _slot(Vc, b, kh, ts, j, Hkv, T, NS, hd, dims, m2)\n"
-                                    "        s = tl.sum(q3 * K[None, :, :], axis=2) * scale\n",
-                                    "        V = _slot(Vc, b, kh, ts, j + 1, Hkv, T, NS, hd, dims, m2)\n"
-                                    "        s = tl.sum(q3 * K[None, :, :], axis=2) * scale\n",
-                                    'moda', lambda: case_moda('fp32')),
 }
 
 
@@ -375,15 +369,16 @@ CASES['streams_hc_m3'] = lambda: case_streams('hc', 'fp32', m=3)
 CASES['streams_mhc_fp32'] = lambda: case_streams('mhc', 'fp32')
 CASES['streams_mhc_bf16'] = lambda: case_streams('mhc', 'bf16', mhc_sinkhorn_iters=5)
 CASES['streams_mhc_m3'] = lambda: case_streams('mhc', 'fp32', m=3, mhc_sinkhorn_iters=5)
-for _dtype in ('fp32', 'bf16'):  # MoDA's depth cache kernels, MHA and GQA
-    CASES[f'moda_{_dtype}'] = lambda b=_dtype: case_moda(b)
-    CASES[f'moda_gqa_{_dtype}'] = lambda b=_dtype: case_moda(b, n_kv_head=2)
 CASES['streams_mhc_plain'] = lambda: case_streams('mhc', 'fp32', mhc_sinkhorn='plain', mhc_sinkhorn_iters=5)
 CASES['guard_streams'] = lambda: case_guard_fused('hc', 'mhc')
-CASES['guard_moda'] = lambda: case_guard_fused('moda')
 for _name in PLANTS:
     CASES[f'planted_{_name}'] = lambda a=_name: case_planted(a)
 CASES['depth_attnres_G3_weights'] = lambda: case_depth('attnres', 3, 'fp32', weighted=True)
+for _G in (1, 3, 8):  # Block AttnRes's running sum fused with the read (sum_phase2_fwd, finish_bwd's cast)
+    for _dtype in ('fp32', 'bf16'):
+        CASES[f'depth_blockattnres_sum_G{_G}_{_dtype}'] = lambda b=_G, c=_dtype: case_depth(
+            'blockattnres', b, c, summed=True)
+CASES['depth_blockattnres_sum_G8_chain'] = lambda: case_depth('blockattnres', 8, 'fp32', chain=True, summed=True)
 
 if __name__ == '__main__':
     torch.set_num_threads(1)

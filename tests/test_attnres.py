@@ -89,17 +89,18 @@ def reference_attnres(model, idx, skip):
     return mixes
 
 
-def reference_block_attnres(model, idx, skip):
-    """Block AttnRes from its docstring, one sublayer k at a time: at k % S == 0 (k > 0) the
-    running sum P is frozen as a source before the read; a skipped block adds nothing, still
-    freezes P at a boundary inside it, and if the next read is a boundary it is the newest
-    source itself. Returns the raw mix after each block."""
+def reference_block_attnres(model, idx, skip, boundary=None):
+    """Block AttnRes from its docstring, one sublayer k at a time: at a boundary, k % S == 0
+    (k > 0) or `boundary(k)` if given, the running sum P is frozen as a source before the
+    read; a skipped block adds nothing, still freezes P at a boundary inside it, and if the
+    next read is a boundary it is the newest source itself. Returns the raw mix after each block."""
     cfg, res, T = model.config, model.residual, idx.size(1)
     rope, eps, S = (model.rope_cos[:T], model.rope_sin[:T]), cfg.attnres_eps, res.group_size
     src, P, mixes = [model.wte(idx)], [None], []
+    at = boundary or (lambda k: k % S == 0)
 
     def freeze(k):
-        if k % S == 0 and P[0] is not None:
+        if at(k) and P[0] is not None:
             src.append(P[0])
             P[0] = None
 
@@ -114,7 +115,7 @@ def reference_block_attnres(model, idx, skip):
         p, blk, k = res.layers[b], model.blocks[b], 2 * b
         if b in skip:
             freeze(k + 1)
-            if (k + 2) % S == 0:
+            if at(k + 2):
                 freeze(k + 2)
                 mix = src[-1]
             else:
@@ -149,6 +150,27 @@ def test_attnres_skip_rule_against_a_loop_over_sublayers(residual, blocks):
             torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5, msg=f"skip {skip}, after block {b}")
         torch.testing.assert_close(h, want[-1], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(model.hidden(idx, skip={1}), model.hidden(idx, order=(0, 2)), atol=1e-4)
+
+
+@torch.no_grad()
+def test_a_boundary_edit_moves_the_read_and_the_skip_rule_together(monkeypatch):
+    """A student's edit of BlockAttnRes.boundary, the one place of the rule: uneven blocks,
+    boundaries at sublayers 1, 4 and 5 of 6. The forward (read_at) and every skip (the probes'
+    skip rule) follow the edited rule, against the loop over sublayers with the same rule;
+    the model before the edit (blocks of 2) computes something else."""
+    model = move_off_init(small_model('blockattnres', attnres_blocks=3))
+    idx = small_tokens()
+    before = model.hidden(idx)
+    rule = lambda k: k in (1, 4, 5)  # noqa: E731
+    monkeypatch.setattr(type(model.residual), 'boundary', lambda self, k: rule(k))
+    for skip in SKIPS:
+        rec = []
+        h = model.hidden(idx, skip=set(skip), record=rec)
+        want = reference_block_attnres(model, idx, set(skip), boundary=rule)
+        for b, (got, exp) in enumerate(zip([lens for _, lens in rec[1:]], want)):
+            torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5, msg=f"skip {skip}, after block {b}")
+        torch.testing.assert_close(h, want[-1], rtol=1e-5, atol=1e-5)
+    assert max_rel(model.hidden(idx), before) > 1e-2
 
 
 # -----------------------------------------------------------------------------
@@ -188,16 +210,14 @@ def test_blockattnres_block_size_one_is_full_attnres():
     (4, 8, 'and 2L = 8 sublayers is Full AttnRes'),   # the CPU config's 4 layers with the default 8 blocks
     (2, 8, 'and 2L = 4 sublayers is Full AttnRes'),   # fewer sublayers than blocks: S = 1 too
     (4, 1, 'one block holds all 8 sublayers'),
-    (4, 4, None), (4, 2, None)])
-def test_blockattnres_says_when_it_is_another_scheme(n_layer, blocks, says):
-    """The start-up note (train.py prints `notes()`): Block AttnRes with one sublayer per block
-    is Full AttnRes (test_blockattnres_block_size_one_is_full_attnres), and one block holding
-    every sublayer reads only the embedding and the running sum."""
+    (4, 4, 'Block AttnRes: 4 blocks of 2 sublayers'), (4, 2, 'Block AttnRes: 2 blocks of 4 sublayers'),
+    (6, 4, 'Block AttnRes: 4 blocks of 3 sublayers')])
+def test_blockattnres_says_its_block_size_and_when_it_is_another_scheme(n_layer, blocks, says):
+    """The start-up note (train.py prints `notes()`): the block size, and that Block AttnRes
+    with one sublayer per block is Full AttnRes (test_blockattnres_block_size_one_is_full_attnres),
+    and one block holding every sublayer reads only the embedding and the running sum."""
     notes = make('blockattnres', n_layer=n_layer, attnres_blocks=blocks).residual.notes()
-    if says is None:
-        assert notes == []
-    else:
-        assert len(notes) == 1 and says in notes[0] and f"attnres_blocks={blocks}" in notes[0], notes
+    assert len(notes) == 1 and says in notes[0] and f"attnres_blocks={blocks}" in notes[0], notes
     assert make('attnres').residual.notes() == [] and make('hc').residual.notes() == []
 
 

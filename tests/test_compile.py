@@ -2,7 +2,8 @@
 Regional compilation, `GPT.compile_regions` ("compile the block, not the model"): every
 block's branches and the scheme's `regions` are compiled on their own. The compiled model
 gives the eager loss and gradients for every scheme, with no graph break; the number of
-compiled graphs does not grow with depth; a region that a fast path replaced is not compiled.
+compiled graphs does not grow with depth; a region that a fast path replaced is not compiled;
+a plain torch.compile(model) gets the regional compile, with one warning naming model.compile().
 Backend aot_eager (traced as inductor traces, then run eagerly: seconds, no C++ compiler),
 and one inductor run (slow).
 
@@ -125,11 +126,12 @@ def test_the_compiler_builds_one_sinkhorn_round_not_twenty():
     assert [sums(m) for _, m in gm.named_children()] == [2]  # one body, one round
 
 
-@pytest.mark.parametrize('residual,region', [('mhc', 'sinkhorn_rounds'), ('moda', 'attention')])
-def test_a_region_under_a_fast_block_is_not_compiled(residual, region):
-    """fast.setup, then compile_regions: the fast block stays in place (not wrapped by the
-    compiler) and never calls the scheme's region (mHC's Sinkhorn rounds, MoDA's joint softmax:
-    the fast block computes them itself), so one graph fewer is compiled, and the step is the
+@pytest.mark.parametrize('residual,region,method', [('mhc', 'sinkhorn_rounds', 'block'),
+                                                    ('moda', 'attention', 'attention')])
+def test_a_region_replaced_by_a_fast_path_is_not_compiled(residual, region, method):
+    """fast.setup, then compile_regions: the fast path stays in place (not wrapped by the compiler)
+    and the scheme's region is not compiled (mHC's Sinkhorn rounds: the fast block computes them
+    itself; MoDA's joint softmax: replaced), so one graph fewer is compiled, and the step is the
     eager fast step."""
     model, idx = make(residual), tokens()
     plain = make(residual).compile_regions(backend='aot_eager')
@@ -138,10 +140,10 @@ def test_a_region_under_a_fast_block_is_not_compiled(residual, region):
     torch._dynamo.reset()
     counters.clear()
     paths = fast.setup(model, True, 'cpu')
-    assert [p.method for p in paths] == ['block']
+    assert [p.method for p in paths] == [method]
     eager = step(model, idx)
     model.compile_regions(backend='aot_eager')
-    assert model.residual.block.__func__ is paths[0].impl
+    assert getattr(model.residual, method).__func__ is paths[0].impl
     assert_same_step(step(model, idx), eager)
     assert graphs() == n_plain - 1 and breaks() == 0
 
@@ -167,3 +169,45 @@ def test_model_compile_is_the_regional_compile():
     assert all(blk.attn._compiled_call_impl is not None and blk.mlp._compiled_call_impl is not None
                for blk in model.blocks)
     assert 'mix' in vars(model.residual)  # AttnRes's region, compiled on its own
+
+
+def compiled_step(compiled, model, idx):
+    """`step` through torch.compile(model)'s wrapper, gradients read from the model."""
+    model.zero_grad(set_to_none=True)
+    loss = compiled(idx, idx)[1]
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize('residual', ['attnres', 'moda'])
+def test_a_plain_torch_compile_gets_the_regional_compile_with_one_warning(residual, monkeypatch):
+    """nanoGPT's `model = torch.compile(model)`: the first call warns once, naming
+    model.compile(), and compiles the regions (not one graph of every block): the eager step,
+    the same graphs as model.compile() at L = 2 and at L = 4 (flat in depth), no second
+    warning, no recompile on the second step."""
+    import warnings
+    monkeypatch.setattr(GPT.compile_regions, '__defaults__', ('aot_eager',))  # inductor needs a C++ compiler: slow
+    counts = []
+    for L in (2, 4):
+        torch._dynamo.reset()
+        counters.clear()
+        model, idx = make(residual, L), tokens()
+        eager = step(model, idx)
+        compiled = torch.compile(model, backend='aot_eager')
+        with pytest.warns(UserWarning, match=r"model\.compile\(\)") as caught:
+            assert_same_step(compiled_step(compiled, model, idx), eager)
+        assert len([w for w in caught if 'torch.compile(model)' in str(w.message)]) == 1
+        assert model.regions_compiled and all(blk.attn._compiled_call_impl is not None for blk in model.blocks)
+        n = graphs()
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')  # a second warning would raise
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                assert_same_step(compiled_step(compiled, model, idx), eager)
+        assert graphs() == n
+        counts.append(n)
+        torch._dynamo.reset()
+        counters.clear()
+        regional = make(residual, L).compile(backend='aot_eager')
+        step(regional, idx)
+        assert graphs() == n, (graphs(), n)  # what model.compile() compiles
+    assert counts[0] == counts[1], counts

@@ -15,6 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import checkpoint  # noqa: E402
 from tools import convert  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -250,7 +251,7 @@ def test_export_preln_to_transformers(tmp_path):
                     norm_eps=1e-5, rope_theta=10000.0)
     model = GPT(cfg).eval()
     ck = tmp_path / 'ckpt.pt'
-    torch.save({'model': model.state_dict(), 'model_args': cfg.__dict__, 'config': {}}, ck)
+    checkpoint.save_checkpoint(str(ck), {'model': model.state_dict(), 'model_args': cfg.__dict__, 'config': {}})
     convert.main(['--to=hf', str(ck), f'--out={tmp_path / "hf"}'])
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'hf', dtype=torch.float32).eval()
     idx = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(2))
@@ -259,7 +260,7 @@ def test_export_preln_to_transformers(tmp_path):
     assert diff <= 1e-5, diff
     # another scheme has no transformers class: one line, nothing written
     cfg.residual = 'hc'
-    torch.save({'model': GPT(cfg).state_dict(), 'model_args': cfg.__dict__}, ck)
+    checkpoint.save_checkpoint(str(ck), {'model': GPT(cfg).state_dict(), 'model_args': cfg.__dict__})
     with pytest.raises(SystemExit, match='only Pre-LN is a LlamaForCausalLM; hc has no transformers class'):
         convert.main(['--to=hf', str(ck), f'--out={tmp_path / "hf2"}'])
     assert not (tmp_path / 'hf2').exists()

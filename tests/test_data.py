@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 from data.loader import TokenLoader, open_tokens
 from test_train import TINY, data_dir, load, one_line_error, train  # noqa: F401 (fixture)
 
@@ -113,10 +114,11 @@ def test_damaged_data_and_checkpoints_give_one_line_errors(data_dir, tmp_path):
     train(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=1', '--eval_interval=1')
     good = load(out / 'ckpt.pt')
     resume = [f'--out_dir={out}', '--init_from=resume', '--max_iters=2']
-    torch.save({k: v for k, v in good.items() if k != 'loader'}, out / 'ckpt.pt')
+    checkpoint.save_checkpoint(str(out / 'ckpt.pt'), {k: v for k, v in good.items() if k != 'loader'})
     one_line_error(train(*resume, check=False), 'ckpt.pt lacks loader')
     torch.save([1, 2], out / 'ckpt.pt')
+    checkpoint.seal(out / 'ckpt.pt')  # sealed: what is refused is its content
     one_line_error(train(*resume, check=False), 'ckpt.pt lacks model, model_args')
-    torch.save(dict(good, model_args=dict(good['model_args'], residual='attnres'),
-                    config=dict(good['config'], residual='attnres')), out / 'ckpt.pt')
+    checkpoint.save_checkpoint(str(out / 'ckpt.pt'), dict(good, model_args=dict(good['model_args'], residual='attnres'),
+                                                         config=dict(good['config'], residual='attnres')))
     one_line_error(train(*resume, check=False), "do not fit its model_args (residual='attnres'")

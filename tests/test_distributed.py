@@ -160,3 +160,34 @@ def test_wandb_offline_logs_the_metrics_rows_from_rank_0_only(data_dir, tmp_path
             assert logged['grad_first_last_ratio'] == pytest.approx(g[0] / g[-1])
     r = train(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "nowb"}', '--max_iters=2', '--eval_interval=2')
     assert not (tmp_path / 'nowb' / 'wandb').exists()  # off by default
+
+
+def test_wandb_offline_single_process_logs_exactly_the_metrics_rows(data_dir, tmp_path):
+    """One process, WANDB_MODE=offline: at every step the W&B history holds exactly the keys of
+    that step's metrics.jsonl rows (each block's statistic as its own key, the first/last gradient
+    ratio added, the evaluation row's lr left to the training row) with the same values, and no
+    step that metrics.jsonl lacks. A row logged twice, dropped, or at another step fails."""
+    pytest.importorskip('wandb')
+    out = tmp_path / 'wb1'
+    env = dict(os.environ, OMP_NUM_THREADS='1', WANDB_MODE='offline', WANDB_SILENT='true')
+    r = subprocess.run([sys.executable, 'train.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out}',
+                        '--max_iters=3', '--eval_interval=2', '--log_interval=1', '--wandb_log=True'],
+                       cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [run] = (out / 'wandb').glob('offline-run-*')
+    history = read_wandb_history(run)
+    expect = {}
+    for m in metrics(out):
+        row = expect.setdefault(m['iter'], {})
+        for k, v in m.items():
+            if isinstance(v, list):
+                row.update({f'{k}/{b}': x for b, x in enumerate(v)})
+            elif v is not None and k != 'iter' and not (k == 'lr' and 'val_loss' in m):
+                row[k] = v
+        if m.get('block_grad_norm'):
+            row['grad_first_last_ratio'] = m['block_grad_norm'][0] / m['block_grad_norm'][-1]
+    assert sorted(history) == sorted(expect) == [0, 1, 2, 3]
+    for step, row in expect.items():
+        logged = {k: v for k, v in history[step].items() if not k.startswith('_')}
+        assert sorted(logged) == sorted(row), step
+        assert logged == pytest.approx(row), step

@@ -156,16 +156,25 @@ def test_truncation_keeps_continuation_and_aligns_targets():
     cont = [rng.randrange(256) for _ in range(5)]
     whole = ctx + cont
     want = sum(logp_table[whole[j - 1], whole[j]].item() for j in range(len(ctx), len(whole)))
-    (got, n), = evals.continuation_logprobs(bigram, ByteEnc(), [(ctx, cont)], max_len=8)
+    (got, n, greedy), = evals.continuation_logprobs(bigram, ByteEnc(), [(ctx, cont)], max_len=8)
     assert max(seen_T) == 8  # the context was cut to fit
     assert n == 5 and got == pytest.approx(want, abs=1e-4)
-    (full, _), = evals.continuation_logprobs(bigram, ByteEnc(), [(ctx, cont)], max_len=2048)
+    # is_greedy (lm-eval's): every scored token the bigram's argmax after its predecessor
+    assert greedy == all(table[whole[j - 1]].argmax() == whole[j] for j in range(len(ctx), len(whole)))
+    chain = [7]
+    for _ in range(4):
+        chain.append(int(table[chain[-1]].argmax()))
+    (_, _, greedy), = evals.continuation_logprobs(bigram, ByteEnc(), [(ctx + chain[:1], chain[1:])], max_len=8)
+    (_, _, not_greedy), = evals.continuation_logprobs(bigram, ByteEnc(), [(ctx + chain[:1], chain[1:3] + [
+        int(table[chain[2]].argsort()[-2])])], max_len=8)  # the last token the runner-up
+    assert greedy and not not_greedy
+    (full, _, _), = evals.continuation_logprobs(bigram, ByteEnc(), [(ctx, cont)], max_len=2048)
     assert full == pytest.approx(want, abs=1e-4)  # a bigram model sees the same predecessors either way
     # a continuation longer than max_len: only its last max_len tokens are scored
     long_cont = [rng.randrange(256) for _ in range(12)]
     whole = ctx + long_cont
     want = sum(logp_table[whole[j - 1], whole[j]].item() for j in range(len(whole) - 8, len(whole)))
-    (got, n), = evals.continuation_logprobs(bigram, ByteEnc(), [(ctx, long_cont)], max_len=8)
+    (got, n, _), = evals.continuation_logprobs(bigram, ByteEnc(), [(ctx, long_cont)], max_len=8)
     assert n == 8 and got == pytest.approx(want, abs=1e-4)
 
 
@@ -179,9 +188,9 @@ def test_batching_matches_one_at_a_time():
     assert len({len(enc.encode(c + x)) for c, x in pairs}) > 3  # lengths differ, so padding is exercised
     batched = evals.continuation_logprobs(model, enc, pairs, batch_size=4, max_len=40)
     single = evals.continuation_logprobs(model, enc, pairs, batch_size=1, max_len=40)
-    assert [n for _, n in batched] == [n for _, n in single] == [len(enc.encode(x)) for _, x in pairs]
-    for (b, _), (s, _) in zip(batched, single):
-        assert b == pytest.approx(s, abs=1e-4)
+    assert [s.n_tokens for s in batched] == [s.n_tokens for s in single] == [len(enc.encode(x)) for _, x in pairs]
+    for b, s in zip(batched, single):
+        assert b.logprob == pytest.approx(s.logprob, abs=1e-4) and b.greedy == s.greedy
     # and both equal a direct computation on the unpadded sequence
     c, x = pairs[3]
     ids = torch.tensor([enc.encode(c + x)])
@@ -189,7 +198,7 @@ def test_batching_matches_one_at_a_time():
         logp = model(ids)[0].log_softmax(-1)
     k = len(enc.encode(x))
     want = sum(logp[t - 1, ids[0, t]].item() for t in range(ids.shape[1] - k, ids.shape[1]))
-    assert batched[3][0] == pytest.approx(want, abs=1e-4)
+    assert batched[3].logprob == pytest.approx(want, abs=1e-4)
 
 
 def test_logits_shape_is_checked():

@@ -145,6 +145,32 @@ def test_hc_residual_mixing_is_applied():
 
 
 @torch.no_grad()
+def test_beta_for_hc_alone_is_changed_in_hc_coefficients(monkeypatch):
+    """HC's docstring: to change beta for HC alone, change what HC.coefficients returns; an
+    edit in MultiStream.write_streams changes mHC too. Staged as a student would: beta x 0.5
+    in HC.coefficients moves HC's logits and leaves mHC's bit for bit; the same x 0.5 in
+    write_streams moves both."""
+    import residuals
+    models = {r: make(r) for r in ('hc', 'mhc')}
+    for model in models.values():
+        perturb(model, std=0.1)
+    idx = tokens()
+    before = {r: m(idx)[0] for r, m in models.items()}
+    coefficients = residuals.HC.coefficients
+
+    def half_beta(self, H, route):
+        A_m, A_r, beta = coefficients(self, H, route)
+        return A_m, A_r, 0.5 * beta
+    with monkeypatch.context() as mp:
+        mp.setattr(residuals.HC, 'coefficients', half_beta)
+        assert max_rel(models['hc'](idx)[0], before['hc']) > 1e-3
+        assert torch.equal(models['mhc'](idx)[0], before['mhc'])
+    write = residuals.MultiStream.write_streams
+    monkeypatch.setattr(residuals.MultiStream, 'write_streams', lambda self, H, A_r, beta, y: write(self, H, A_r, 0.5 * beta, y))
+    assert all(max_rel(m(idx)[0], before[r]) > 1e-3 for r, m in models.items())
+
+
+@torch.no_grad()
 def test_hc_coefficients_move_by_at_most_the_scale_times_tanh():
     """With the projections W, w_beta non-zero, HC's coefficients are static + 0.01 tanh(H_bar W):
     at init they never move more than 0.01 from the one-hot read, identity mix and unit write."""

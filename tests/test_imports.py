@@ -1,5 +1,7 @@
-"""No import circles (STYLE.md): the project's import graph, read from every .py file with `ast`
-(imports inside functions count too: they run the same module), has no cycle."""
+"""No import circles: the project's import graph, read from every .py file with `ast` (imports
+inside functions count too: they run the same module), has no cycle. In a circle one module
+runs with the other half-initialised, and the files can no longer be read one below the other
+(model.py -> residuals.py, never back)."""
 
 import ast
 from pathlib import Path

@@ -65,24 +65,27 @@ def interpret(*cases):
 
 # The grouped AttnRes read's kernels (fast/depth_kernels.py) over all 8 reads of a 4-block model:
 # outputs z (and a), gradients of the 9 sources and of the 8 pseudo-queries and 8 key gains
-DEPTH = [f'depth_{s}_G{g}_{d}' for s in ('attnres', 'blockattnres') for g in (1, 3, 8) for d in ('fp32', 'bf16')] + \
-    [f'depth_{s}_G8_chain' for s in ('attnres', 'blockattnres')] + ['depth_attnres_G3_weights']
+DEPTH = [f'depth_{s}_G{g}_fp32' for s in ('attnres', 'blockattnres', 'blockattnres_sum') for g in (1, 3, 8)] + \
+    [f'depth_{s}_G3_bf16' for s in ('attnres', 'blockattnres', 'blockattnres_sum')] + \
+    [f'depth_{s}_G8_chain' for s in ('attnres', 'blockattnres', 'blockattnres_sum')] + ['depth_attnres_G3_weights']
 BIG = ['depth_attnres_G3_big', 'depth_blockattnres_G3_big']
 AUTOCAST_FACTOR, AUTOCAST_FLOOR = 3.0, 1e-5  # as the start-up guard: fast <= 3x plain's distance to fp64 + 1e-5
 
 
-@pytest.mark.parametrize('scheme', ['attnres', 'blockattnres'])
+@pytest.mark.parametrize('scheme', ['attnres', 'blockattnres', 'blockattnres_sum'])
 def test_grouped_read_kernels_match_the_plain_read(scheme):
     """Each case: every output and gradient of the kernels within 3x the plain read's own distance
     to fp64 (+ 1e-5), the start-up guard's rule: groups of 1, 3 and 8 reads (8 reads: 3 is no
-    divisor), fp32 and bf16 sources, reads independent of each other (an order the grouped read
-    must not rely on) and chained as in the model, the weights' own gradient (a loss on a);
-    pseudo-queries 40x (scores of +-100, where an online softmax without its running max
-    overflows fp32): finite, and within 30x the plain read's distance to fp64 (+ 1e-4). So peaked
-    a softmax leaves each weight's gradient a tiny difference p - c, which the grouped read
-    forms from two dot products (gz . v and gz . z) where the plain read forms c from the same
-    p's: ~sqrt(d) times the plain read's rounding (measured 14x at d = 24)."""
-    cases = [c for c in DEPTH + BIG if c.startswith(f'depth_{scheme}_')]
+    divisor), fp32 sources and (groups of 3) bf16 ones, reads independent of each other (an
+    order the grouped read must not rely on) and chained as in the model, the weights' own
+    gradient (a loss on a); Block AttnRes's running sum fused with the read after it
+    (blockattnres_sum: BlockAttnRes.block's fast form, sum_phase2_fwd and finish_bwd's second
+    output). Pseudo-queries 40x (scores of +-100, where an online softmax without its running
+    max overflows fp32): finite, and within 30x the plain read's distance to fp64 (+ 1e-4): so
+    peaked a softmax leaves each weight's gradient a tiny difference p - c, which the grouped
+    read forms from two dot products (gz . v and gz . z) where the plain read forms c from the
+    same p's, ~sqrt(d) times the plain read's rounding (measured 14x at d = 24)."""
+    cases = [c for c in DEPTH + BIG if c.startswith(f'depth_{scheme}_G')]
     rows = interpret(*cases)
     for case in cases:
         row = rows[case]
@@ -98,7 +101,8 @@ def test_grouped_read_kernels_match_the_plain_read(scheme):
 def test_the_guard_passes_the_grouped_read_kernels():
     """fast.check on the Triton paths under the interpreter: the fp32 twin (CUDA's 2e-3) and the
     twin under bf16 autocast accept both as they are."""
-    assert interpret('guard_depth')['guard_depth']['outputs'] == {'attnres': None, 'blockattnres': None}
+    assert interpret('guard_depth')['guard_depth']['outputs'] == {
+        'attnres_group_triton': None, 'blockattnres_group_triton': None, 'blockattnres_sum_triton': None}
 
 
 def test_kernels_match_the_plain_methods():
@@ -117,11 +121,10 @@ def test_kernels_match_the_plain_methods():
                 assert e <= TOL, f"{case} {kind} {i}: relative error {e:.1e}"
 
 
-# The fused stream steps of HC and mHC (fast/stream_kernels.py) and MoDA's depth cache kernels
-# (fast/moda_kernels.py), each over a whole tiny model: the loss and every parameter's gradient
+# The fused stream steps of HC and mHC (fast/stream_kernels.py), each over a whole tiny model: the
+# loss and every parameter's gradient
 STREAMS = {'hc': ['streams_hc_fp32', 'streams_hc_bf16', 'streams_hc_m3'],
-           'mhc': ['streams_mhc_fp32', 'streams_mhc_bf16', 'streams_mhc_m3', 'streams_mhc_plain'],
-           'moda': ['moda_fp32', 'moda_bf16', 'moda_gqa_fp32', 'moda_gqa_bf16']}
+           'mhc': ['streams_mhc_fp32', 'streams_mhc_bf16', 'streams_mhc_m3', 'streams_mhc_plain']}
 
 
 def within_rule(row):
@@ -132,13 +135,12 @@ def within_rule(row):
 
 @pytest.mark.parametrize('scheme', list(STREAMS))
 def test_fused_kernels_match_the_plain_block(scheme):
-    """The kernels in place of MultiStream.block (HC, mHC) and MoDA.block, forward and every gradient
-    (each parameter's, so the streams' and the slots' through them) within 3x the plain block's own
-    distance to fp64 (+ 1e-5): fp32 and bf16 autocast; d = 24 and head_dim 6 (blocks of 32 and 16
-    lanes: masked), N = 10 tokens (HC's backward programs over a remainder, mHC's blocks of 64 and
-    MoDA's of 64 tokens: partial), m = 3 streams (one of 4 lanes masked), mHC's both Sinkhorn orders,
-    MoDA with GQA; a 3-block model (mHC, HC: the first read, the steps that plan the next block's read,
-    the last write alone), a 4-block one (MoDA: 0 to 6 depth slots read, the writes of 1 and 2 slots)."""
+    """The kernels in place of MultiStream.block (HC, mHC), forward and every gradient (each
+    parameter's, so the streams' through them) within 3x the plain block's own distance to fp64
+    (+ 1e-5): fp32 and bf16 autocast; d = 24 (blocks of 32 lanes: masked), N = 10 tokens (HC's
+    backward programs over a remainder, mHC's blocks of 64 tokens: partial), m = 3 streams (one of
+    4 lanes masked), mHC's both Sinkhorn orders; a 3-block model (the first read, the steps that
+    plan the next block's read, the last write alone)."""
     rows = interpret(*STREAMS[scheme])
     for case, row in rows.items():
         assert len(row['outputs']) == 1 and len(row['grads']) > 20, case
@@ -148,21 +150,19 @@ def test_fused_kernels_match_the_plain_block(scheme):
                     f"{case} {kind} {i}: {fast:.1e} from fp64 where the plain block is {plain:.1e}"
 
 
-@pytest.mark.parametrize('case,schemes', [('guard_streams', ('hc', 'mhc')), ('guard_moda', ('moda',))])
+@pytest.mark.parametrize('case,schemes', [('guard_streams', ('hc', 'mhc'))])
 def test_the_guard_passes_the_fused_kernels(case, schemes):
-    """fast.check on the Triton paths of HC, mHC and MoDA under the interpreter: the fp32 twin
+    """fast.check on the Triton paths of HC and mHC under the interpreter: the fp32 twin
     (CUDA's 2e-3) and the twin under bf16 autocast accept them as they are."""
     assert interpret(case)[case]['outputs'] == {s: None for s in schemes}
 
 
-@pytest.mark.parametrize('plant', ['stream_gradient_missing_a_use', 'sinkhorn_rounds_in_bf16',
-                                   'depth_cache_slot_off_by_one'])
+@pytest.mark.parametrize('plant', ['stream_gradient_missing_a_use', 'sinkhorn_rounds_in_bf16'])
 def test_a_planted_kernel_error_is_refused_and_fails(plant):
     """One line of a kernel changed (the read's share of the streams' gradient dropped; each Sinkhorn
-    normalisation rounded to bf16; MoDA's depth values read one slot late): the start-up guard
+    normalisation rounded to bf16): the start-up guard
     refuses the path in one line naming it, and the comparison against the plain block fails."""
     row = interpret(f'planted_{plant}')[f'planted_{plant}']['outputs']
-    name = {'stream_gradient_missing_a_use': 'hc_streams_triton', 'sinkhorn_rounds_in_bf16': 'mhc_streams_triton',
-            'depth_cache_slot_off_by_one': 'moda_cache_triton'}[plant]
+    name = {'stream_gradient_missing_a_use': 'hc_streams_triton', 'sinkhorn_rounds_in_bf16': 'mhc_streams_triton'}[plant]
     assert row['verdict'] is not None and name in row['verdict'] and '\n' not in row['verdict']
     assert not within_rule(row)

@@ -2,7 +2,8 @@
 docs/new_scheme.md run as written: its code blocks are read from the markdown, the
 scheme's class is registered in the running process (residuals.py is not edited), its
 check block runs, its train.py and probe.py commands run (on a tiny byte-level corpus,
-with a tiny shape appended), and cost.py counts its parameters and measures its ΔF.
+with a tiny shape appended), cost.py counts its parameters and measures its ΔF, and it
+generates the same tokens with and without the KV cache.
 Run: python -m pytest tests/test_new_scheme_doc.py -q
 """
 
@@ -75,8 +76,15 @@ def run_block(code):
 
 def test_check_block_runs(registered):
     """The doc's equivalence check (gated at init == Pre-LN, not after the gates move)."""
-    check, _ = python_blocks()
+    check = python_blocks()[0]
     assert 'gated at init == Pre-LN' in run_block(check)
+
+
+def test_generation_block_runs(registered):
+    """The doc's KV-cache check: the gated scheme generates the same tokens with and without
+    the cache, past block_size."""
+    generate = python_blocks()[2]
+    assert 'generation with the KV cache == recomputing the context' in run_block(generate)
 
 
 def preln_params(L, d, V, d_ff):
@@ -88,7 +96,7 @@ def test_cost_counts_the_new_scheme(registered):
     """cost.py has no closed form for it: the counted parameters equal Pre-LN's + 2Ld
     (one gate vector per sublayer), and the measured ΔF equals the gates' 2d FLOPs per
     token and sublayer, 4·T·d·L, as printed by the doc's cost block."""
-    _, cost_block = python_blocks()
+    cost_block = python_blocks()[1]
     out = run_block(cost_block)
     L, d, T, V = 4, 128, 128, 50280
     d_ff = 16 * math.ceil(8 * d / 3 / 16)

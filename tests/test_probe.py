@@ -18,6 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkpoint  # noqa: E402
 import probe  # noqa: E402
 import residuals  # noqa: E402
 from model import GPT, GPTConfig, RMSNorm  # noqa: E402
@@ -674,8 +675,8 @@ def test_sample_windows_are_reproducible_contiguous_slices(tmp_path):
 def save_ckpt(path, model, dataset='tinyset'):
     path.parent.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    torch.save({'model': model.state_dict(), 'model_args': dict(cfg.__dict__), 'iter_num': 7,
-                'config': {'dataset': dataset}}, path)
+    checkpoint.save_checkpoint(str(path), {'model': model.state_dict(), 'model_args': dict(cfg.__dict__),
+                                           'iter_num': 7, 'config': {'dataset': dataset}})
     return path
 
 
@@ -923,7 +924,7 @@ def test_a_later_probe_run_keeps_the_metrics_it_does_not_recompute(tmp_path, cap
     assert 'kept angular, causal' in capsys.readouterr().out
     assert (ckpt.parent / 'probe' / 'angular.png').is_file()  # figures of the kept metrics too
     # another checkpoint at the same path (a later iteration): the old results are moved aside
-    torch.save(dict(torch.load(ckpt, weights_only=True), iter_num=9), ckpt)
+    checkpoint.save_checkpoint(str(ckpt), dict(torch.load(ckpt, weights_only=True), iter_num=9))
     probe.main([f'--ckpt={ckpt}', '--metrics=angular'] + common)
     now = json.loads((ckpt.parent / 'probe' / 'probe.json').read_text())
     assert now['iter_num'] == 9 and 'causal' not in now
@@ -949,7 +950,7 @@ def test_held_out_data_or_tokenizer_of_another_tokenizer_is_refused(tmp_path, ca
     own.mkdir()
     (own / 'meta.json').write_text(json.dumps({'tokenizer': 'gpt2', 'vocab_size': 50280}))
     ckpt = save_ckpt(tmp_path / 'run' / 'ckpt.pt', model)
-    torch.save(dict(torch.load(ckpt, weights_only=True), config={'data_dir': str(own)}), ckpt)
+    checkpoint.save_checkpoint(str(ckpt), dict(torch.load(ckpt, weights_only=True), config={'data_dir': str(own)}))
     byte = write_val(tmp_path / 'bytedata' / 'val.bin', vocab=257)
     (byte.parent / 'meta.json').write_text(json.dumps({'tokenizer': 'byte', 'vocab_size': 257}))
     with pytest.raises(SystemExit):
@@ -980,8 +981,8 @@ def tiny_bytes(residual='preln', n_layer=2, seed=0):
 def save_ckpt_extra(path, model, **extra):
     """A checkpoint in train.py's format (the keys probe.py reads) plus `extra` keys."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({'model': model.state_dict(), 'model_args': dict(model.config.__dict__), 'iter_num': 3,
-                'config': {'dataset': 'nowhere'}, **extra}, path)
+    checkpoint.save_checkpoint(str(path), {'model': model.state_dict(), 'model_args': dict(model.config.__dict__),
+                                           'iter_num': 3, 'config': {'dataset': 'nowhere'}, **extra})
     return path
 
 

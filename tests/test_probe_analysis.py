@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkpoint  # noqa: E402
 import probe  # noqa: E402
 from probes import analysis as pa  # noqa: E402
 import residuals  # noqa: E402
@@ -352,7 +353,8 @@ def test_registered_in_probe_metrics(tmp_path):
     model = tiny('hc')
     ckpt = tmp_path / 'run' / 'ckpt.pt'
     ckpt.parent.mkdir()
-    torch.save({'model': model.state_dict(), 'model_args': model.config.__dict__, 'config': {}, 'iter_num': 1}, ckpt)
+    checkpoint.save_checkpoint(str(ckpt), {'model': model.state_dict(), 'model_args': model.config.__dict__,
+                                           'config': {}, 'iter_num': 1})
     out = probe.main([f'--ckpt={ckpt}', f'--val_bin={tmp_path / "val.bin"}', '--metrics=jacobian,usefulness,'
                       'token_collapse,prune_lm,logit_lens', '--n_windows=2', '--seq_len=8', '--jacobian_probes=4'])
     for m, fig in (('jacobian', 'jacobian'), ('usefulness', 'usefulness'), ('token_collapse', 'token_collapse'),

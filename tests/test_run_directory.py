@@ -154,7 +154,7 @@ def test_a_run_that_only_gets_worse_keeps_its_start_in_ckpt_best(data_dir, tmp_p
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['best_iter'] == 0 and summary['best_ckpt'].endswith('ckpt_best.pt')
     said = [line for line in r.stdout.splitlines() if 'ckpt_best.pt' in line]
-    assert len(said) >= 2 and all('(iteration 0)' in line for line in said), said
+    assert len(said) >= 2 and all('(iteration 0,' in line for line in said), said
     assert lines(r.stdout, 'done:') and 'ckpt_best.pt' in lines(r.stdout, 'done:')[0]
     again = tmp_path / 'again'  # the kept file is the start: evaluated on its own, the same loss
     again.mkdir()
@@ -217,7 +217,12 @@ def _save_then_damage(obj, f, *a, **k):
     _save(obj, f, *a, **k)
     _calls[0] += 1
     if _calls[0] == {n}:
-        best = os.path.join({out!r}, 'ckpt_best.pt')
+        best = os.path.join({out!r}, 'ckpt_best.pt')  # iteration 0's own file (no ckpt.pt then)
+        if {how!r} == 'sealed':  # whole and sealed, but its pickle holds what the allow-list refuses
+            import checkpoint, datetime
+            _save({{'model': {{'w': datetime.date(2020, 1, 1)}}, 'model_args': {{}}}}, best)
+            checkpoint.seal(best)
+            return
         data = bytearray(open(best, 'rb').read())
         if {how!r} == 'truncate':
             data = data[:len(data) // 2]
@@ -228,11 +233,12 @@ torch.save = _save_then_damage
 """
 
 
-@pytest.mark.parametrize('how', ['truncate', 'flip'])
+@pytest.mark.parametrize('how', ['truncate', 'flip', 'sealed'])
 def test_a_best_state_damaged_mid_run_is_said_and_never_named_the_best(how, data_dir, tmp_path):
     """--learning_rate=10 diverges at once, so the best state stays iteration 0's ckpt_best.pt,
-    which is damaged once iteration 2's checkpoint is written and never read again by the
-    loop: the end of the run says so in one line, and summary.json names no best checkpoint."""
+    which is damaged once iteration 2's checkpoint is written (cut, a flipped byte, or whole and
+    sealed but unpicklable): one warning line, once, naming ckpt.pt with its iteration and
+    validation loss as what is usable; summary.json and the done line name no best checkpoint."""
     out = tmp_path / 'run'
     r = train_injected(DAMAGE_BEST_AFTER.format(n=2, out=str(out), how=how), *TINY, f'--data_dir={data_dir}',
                        f'--out_dir={out}', '--max_iters=4', '--eval_interval=2', '--learning_rate=10', '--grad_clip=1')
@@ -241,7 +247,11 @@ def test_a_best_state_damaged_mid_run_is_said_and_never_named_the_best(how, data
     assert min(rows, key=lambda t: t[1])[0] == 0  # the best state is the start's
     said = lines(r.stdout, 'warning: the best state')
     assert len(said) == 1 and 'ckpt_best.pt' in said[0] and 'lost' in said[0], r.stdout
-    assert ('truncated' if how == 'truncate' else 'does not match the sha256') in said[0]
+    assert {'truncate': 'truncated', 'flip': 'does not match the sha256',
+            'sealed': 'holds code or unknown classes (datetime.date)'}[how] in said[0]
+    # said at the first divergence warning after the damage, when ckpt.pt is iteration 2's
+    assert f"what is usable is {out}/ckpt.pt (iteration 2, val loss {dict(rows)[2]:.4f}), a later state, not the " \
+        "best" in said[0], said[0]
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['best_ckpt'] is None and summary['best_iter'] == 0
     [done] = lines(r.stdout, 'done:')
@@ -510,7 +520,7 @@ def test_resume_restores_the_rng_state(data_dir, tmp_path):
     marked = torch.Generator().manual_seed(999).get_state()
     assert not torch.equal(marked, ck['rng']['torch'])
     ck['rng']['torch'] = marked
-    torch.save(ck, out / 'ckpt.pt')
+    checkpoint.save_checkpoint(str(out / 'ckpt.pt'), ck)
     train(f'--out_dir={out}', '--init_from=resume', '--stop_iter=2')
     assert torch.equal(load(out / 'ckpt.pt')['rng']['torch'], marked)
 
@@ -720,7 +730,7 @@ def test_sigterm_to_the_sweep_stops_its_train_py_and_says_where_it_resumes(data_
                                    f"runpy.run_path({str(REPO / 'train.py')!r}, run_name='__main__')\n")
     extra = ','.join([*TINY, f'--data_dir={data_dir}', '--max_iters=100000', '--eval_interval=4', '--residual=preln'])
     code = (f"import signal, sys\nsys.path.insert(0, {str(REPO)!r})\nfrom study import sweep\n"
-            f"sweep.ROOT = {str(root)!r}\nsignal.signal(signal.SIGTERM, sweep.on_sigterm)\n"
+            f"sweep.ROOT = {str(root)!r}\nsignal.signal(signal.SIGTERM, sweep.on_signal)\n"
             f"sys.exit(sweep.main(['family=mini', 'schemes=preln', 'shapes=2', 'probe=False', {'extra=' + extra!r}]))\n")
     p = subprocess.Popen([sys.executable, '-c', code], cwd=REPO, env=ENV, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -757,7 +767,7 @@ def test_a_pickle_holding_code_is_refused_as_such_and_nothing_runs(tmp_path):
     assert 'truncated' not in str(e.value) and not marker.exists()
     (tmp_path / 'junk.pt').write_bytes(b'not a checkpoint')  # garbage is not called code
     with pytest.raises(checkpoint.CheckpointError, match='cannot be read'):
-        checkpoint.load_checkpoint(tmp_path / 'junk.pt')
+        checkpoint.load_checkpoint(tmp_path / 'junk.pt', unsealed=True)
 
 
 class Planted:
@@ -803,7 +813,10 @@ def assert_live(marker, load):
     marker.unlink()
 
 
-def run(*args):
+def run(*args, unsealed=True):
+    """The tool on `args`; unsealed: with --allow_unsealed=True, so that the planted file (another
+    tool's, without a seal) reaches the unpickler's allow-list, the defence under test."""
+    args = args + (('--allow_unsealed=True',) if unsealed else ())
     env = dict(os.environ, OMP_NUM_THREADS='1')
     return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True, env=env,
                           timeout=300)
@@ -824,6 +837,8 @@ def test_train_resume_refuses_a_checkpoint_holding_code(tmp_path):
     marker, out = tmp_path / 'ran', tmp_path / 'run'
     ckpt = torch_save(shell(marker), out / 'ckpt.pt')
     assert_live(marker, lambda: torch.load(ckpt, weights_only=False))
+    r = run('train.py', '--device=cpu', f'--out_dir={out}', '--init_from=resume', unsealed=False)
+    assert 'has no seal' in r.stderr and r.stderr.count('\n') == 1 and not marker.exists()  # refused before it
     r = run('train.py', '--device=cpu', f'--out_dir={out}', '--init_from=resume')
     assert_refused(r, marker, 'posix.system')
 

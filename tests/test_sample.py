@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import sample  # noqa: E402
@@ -27,8 +28,8 @@ def tiny_config(residual='preln', block_size=16):
 def save(model, path, tokenizer='byte'):
     """A checkpoint in train.py's format (the keys sample.py reads)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({'model': model.state_dict(), 'model_args': asdict(model.config),
-                'config': {'dataset': 'nowhere'}, 'iter_num': 0, 'tokenizer': tokenizer}, path)
+    checkpoint.save_checkpoint(str(path), {'model': model.state_dict(), 'model_args': asdict(model.config),
+                                           'config': {'dataset': 'nowhere'}, 'iter_num': 0, 'tokenizer': tokenizer})
     return path
 
 
@@ -105,9 +106,11 @@ class FixedLogits(torch.nn.Module):
     def __init__(self, logits, block_size=8):
         super().__init__()
         self.logits = logits
-        self.config = type('cfg', (), {'block_size': block_size})()
+        self.config = type('cfg', (), {'block_size': block_size, 'n_layer': 1})()
 
-    def hidden(self, idx):
+    def hidden(self, idx, cache=None):
+        if cache is not None:
+            cache.pos += idx.size(1)
         return torch.zeros(idx.size(0), idx.size(1), 1)
 
     def head(self, h):
@@ -144,8 +147,8 @@ def test_sample_py_masks_the_padding_rows_of_a_real_checkpoint(tmp_path):
         u = torch.randn(16)
         model.lm_head.weight[257:] = torch.tensor([(-1.0) ** i for i in range(43)])[:, None] * u
     ckpt = tmp_path / 'ckpt.pt'
-    torch.save({'model': model.state_dict(), 'model_args': dict(model.config.__dict__), 'iter_num': 0,
-                'config': {'dataset': 'nowhere'}, 'tokenizer': 'byte'}, ckpt)
+    checkpoint.save_checkpoint(str(ckpt), {'model': model.state_dict(), 'model_args': dict(model.config.__dict__),
+                                           'iter_num': 0, 'config': {'dataset': 'nowhere'}, 'tokenizer': 'byte'})
     [text] = sample.main([f'--init_from={ckpt}', '--device=cpu', '--start=ab', '--num_samples=1',
                           '--max_new_tokens=6', '--temperature=0'])
     assert text == 'ab' + '\x00' * 6
@@ -164,7 +167,8 @@ def test_bad_inputs_are_one_line(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and 'none/ckpt.pt' in lines[0] and 'not found' in lines[0], r.stderr
     (tmp_path / 'junk.pt').write_bytes(b'not a checkpoint')
-    one_line_error([f'--init_from={tmp_path / "junk.pt"}'], 'junk.pt', 'cannot be read')
+    one_line_error([f'--init_from={tmp_path / "junk.pt"}'], 'junk.pt', 'has no seal', '--allow_unsealed=True')
+    one_line_error([f'--init_from={tmp_path / "junk.pt"}', '--allow_unsealed=True'], 'junk.pt', 'cannot be read')
     ckpt = save(GPT(tiny_config()), tmp_path / 'ok' / 'ckpt.pt')
     one_line_error([f'--init_from={ckpt}', f'--start=FILE:{tmp_path / "prompt.txt"}'], 'prompt.txt', 'not found')
     (tmp_path / 'latin1.txt').write_bytes(b'caf\xe9')

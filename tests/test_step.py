@@ -87,27 +87,27 @@ def test_kernel_stand_in_flops_equal_cost_extra_flops(scheme):
     extra = cost.extra_flops(scheme, cfg.n_layer, cfg.n_embd, T, n_head=cfg.n_head, attnres_blocks=2,
                              appendix_d=False)
     assert c['flops'] - base['flops'] == 3 * B * extra
-    assert c['paths'] == {'attnres': ['attnres_group_triton'], 'blockattnres': ['blockattnres_group_triton'],
+    assert c['paths'] == {'attnres': ['attnres_group_triton'],
+                          'blockattnres': ['blockattnres_group_triton', 'blockattnres_sum_triton'],
                           'mhc': ['mhc_coeffs_liger', 'streams_read_liger', 'streams_write_liger']}[scheme]
     if scheme != 'mhc':
         fla = step.count_step(cfg, B, T, fast_paths='cuda_fla')
         assert fla['flops'] - base['flops'] == 3 * B * extra and fla['paths'] == ['attnres_read_fla']
 
 
-@pytest.mark.parametrize('scheme', ['hc', 'mhc', 'moda'])
+@pytest.mark.parametrize('scheme', ['hc', 'mhc'])
 def test_the_fused_kernels_declare_the_work_they_do(scheme):
-    """HC's and mHC's stream steps and MoDA's depth kernels, as counted on CUDA: at least 3x cost.py's
-    extra forward FLOPs (forward and backward of the same matrix work) and at most 4.5x (what they
-    recompute instead of keeping: the writes of the streams, the depth scores); every launch of
-    fast/'s kernels declares its FLOPs."""
+    """HC's and mHC's stream steps, as counted on CUDA: at least 3x cost.py's extra forward FLOPs
+    (forward and backward of the same matrix work) and at most 4.5x (what they recompute instead of
+    keeping: the writes of the streams); every launch of fast/'s kernels declares its FLOPs."""
     B, T = 2, 16
     cfg = tiny(scheme)
     c = step.count_step(cfg, B, T, fast_paths='cuda')
     base = step.count_step(tiny('preln'), B, T, fast_paths='cuda')
     extra = cost.extra_flops(scheme, cfg.n_layer, cfg.n_embd, T, n_head=cfg.n_head, appendix_d=False)
-    assert c['paths'] == [f'{scheme}_streams_triton' if scheme != 'moda' else 'moda_cache_triton']
+    assert c['paths'] == [f'{scheme}_streams_triton']
     assert 3 * B * extra <= c['flops'] - base['flops'] <= 4.5 * B * extra
-    kernels = {k: v for k, v in c['by_op'].items() if k.startswith(('stream_kernels.', 'moda_kernels.'))}
+    kernels = {k: v for k, v in c['by_op'].items() if k.startswith('stream_kernels.')}
     assert kernels and all(v[2] > 0 for v in kernels.values()), kernels
 
 
@@ -160,3 +160,62 @@ def test_bench_step_suite_runs_and_rejects_bad_settings(capsys):
         bench.main(argv + ['--step_fast=gpu'])
     with pytest.raises(SystemExit, match='unknown scheme'):
         bench.main(argv + ['--step_schemes=nope'])
+
+
+# -----------------------------------------------------------------------------
+# hand-countable counts at the places a wrong count would hide
+
+def test_an_expanded_stride_0_input_is_read_once_per_distinct_element():
+    """x (4, 7) + y (7,).expand(4, 7): y's broadcast dim has stride 0 and is read once, 7 floats,
+    not 28 (a count of the broadcast dim at full size)."""
+    x, y = torch.randn(4, 7), torch.randn(7)
+    expanded = y.expand(4, 7)
+    assert expanded.stride() == (0, 1) and step.tensor_bytes(expanded) == 7 * 4
+    c = counted(torch.add, x, expanded)
+    assert (c.kernels, c.bytes) == (1, (28 + 7 + 28) * 4)
+    assert step.tensor_bytes(torch.randn(3, 1).expand(3, 5)) == 3 * 4  # the other dim broadcast
+
+
+def test_an_embedding_lookup_reads_the_rows_it_returns_not_the_table():
+    """F.embedding of 6 ids in a (1000, 8) table: reads 6 int64 ids and 6 rows of 8 floats and
+    writes 6 x 8 floats; the table's 32,000 bytes are never all read."""
+    table, ids = torch.randn(1000, 8), torch.tensor([[1, 5, 9], [0, 0, 999]])
+    c = counted(torch.nn.functional.embedding, ids, table)
+    assert (c.kernels, c.bytes, c.flops) == (1, 6 * 8 + 2 * 6 * 8 * 4, 0)
+
+
+def test_an_op_takes_the_longer_of_its_compute_and_its_memory_time():
+    """Roofline: a kernel of 2 ms of FLOPs and 1 ms of bytes takes 2 ms (+ its launch), not 3:
+    max, not sum; and 1 ms of FLOPs with 4 ms of bytes takes 4."""
+    spec = dict(peak=1e12, bandwidth=1e9)
+    t = step.step_time([(2e9, 1e6)], spec, eta_c=1.0, eta_b=1.0, launch_s=0.0)
+    assert t == pytest.approx(2e-3)
+    assert step.step_time([(1e9, 4e6)], spec, 1.0, 1.0, 1e-6) == pytest.approx(4e-3 + 1e-6)
+    assert step.step_time([(2e9, 1e6), (1e9, 4e6)], spec, 0.5, 0.5, 0.0) == pytest.approx(4e-3 + 8e-3)
+
+
+def test_each_accelerator_row_is_its_datasheet():
+    """Dense bf16 peak (the datasheets' sparse figure halved), HBM bandwidth, memory: NVIDIA's
+    H100 SXM5 80 GB (1,979 TFLOPS sparse, 3.35 TB/s), H200 SXM 141 GB (1,979 sparse, 4.8 TB/s),
+    A100 SXM 80 GB (624 sparse, 2,039 GB/s); and the peak agrees with model.py's MFU table."""
+    import model
+    sheets = {'H100': (1979e12 / 2, 3.35e12, 80e9), 'H200': (1979e12 / 2, 4.8e12, 141e9),
+              'A100': (624e12 / 2, 2.039e12, 80e9)}
+    assert set(step.SPECS) == set(sheets)
+    for name, (peak, bandwidth, memory) in sheets.items():
+        spec = step.SPECS[name]
+        assert (spec['peak'], spec['bandwidth'], spec['memory']) == pytest.approx((peak, bandwidth, memory), rel=1e-3)
+        assert dict(model.PEAK_FLOPS)[name] == pytest.approx(spec['peak'], rel=1e-3)
+
+
+def test_the_per_op_table_adds_up_to_the_step_and_names_aten_ops():
+    """count_step's by_op (kernels, bytes, FLOPs per op name, the table docs/performance.md
+    prints) sums to its totals, its ops list holds one (FLOPs, bytes) per kernel, and the names
+    are aten's without the prefix ('mm', 'bmm' or 'addmm' for the matrix products)."""
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    c = step.count_step(cfg, 2, 16, fast_paths='off', dtype=None)
+    rows = c['by_op'].values()
+    assert c['kernels'] > 0 and sum(k for k, _, _ in rows) == c['kernels'] == len(c['ops'])
+    assert sum(b for _, b, _ in rows) == c['bytes'] == sum(b for _, b in c['ops'])
+    assert sum(f for _, _, f in rows) == c['flops'] == sum(f for f, _ in c['ops']) > 0
+    assert not any(name.startswith('aten.') for name in c['by_op']) and {'mm', 'addmm', 'bmm'} & set(c['by_op'])

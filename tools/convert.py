@@ -27,7 +27,9 @@ equal matrices (the logits are the same; a further training run would untie them
 
 Every failure is one line (SystemExit from main, ValueError from the functions) naming
 the key and the fix; outputs are written to a temporary name, fsynced and renamed, so
-nothing half-written is ever left behind.
+nothing half-written is ever left behind. An imported checkpoint is written by
+checkpoint.save_checkpoint, sealed with its sha256 like train.py's; an exported one is read
+verified (--allow_unsealed=True reads one without a seal).
 """
 
 import argparse
@@ -36,7 +38,6 @@ import math
 import os
 import pickle
 import tempfile
-import uuid
 import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -612,12 +613,13 @@ def hf_config(cfg):
             'initializer_range': cfg.init_std, 'torch_dtype': 'float32', 'use_cache': True}
 
 
-def export_hf(ckpt_path, out_dir):
+def export_hf(ckpt_path, out_dir, unsealed=False):
     """Our Pre-LN checkpoint -> out_dir/{config.json, model.safetensors} (+ tokenizer.json when the
-    checkpoint records one). Written into a temporary directory and renamed. Raises ValueError."""
+    checkpoint records one). Written into a temporary directory and renamed. unsealed: read a
+    checkpoint without a seal (--allow_unsealed=True). Raises ValueError."""
     from safetensors.torch import save_file
-    try:  # its seal verified, weights_only; a damaged, refused or partial file is one line (ValueError)
-        ckpt = checkpoint.load_checkpoint(ckpt_path)
+    try:  # its seal verified, weights_only; a damaged, refused, unsealed or partial file is one line (ValueError)
+        ckpt = checkpoint.load_checkpoint(ckpt_path, unsealed=unsealed)
     except FileNotFoundError:
         raise ValueError(f"checkpoint {ckpt_path} not found") from None
     cfg = GPTConfig.from_dict(ckpt['model_args'])
@@ -658,23 +660,13 @@ def export_hf(ckpt_path, out_dir):
 # -----------------------------------------------------------------------------
 
 def save_checkpoint(ckpt, out):
-    """Writes our checkpoint atomically (temp + fsync + rename), after checking it loads into GPT."""
+    """Writes our checkpoint through checkpoint.save_checkpoint (sealed with its sha256, temp +
+    fsync + rename), after checking it loads into GPT."""
     cfg = GPTConfig.from_dict(ckpt['model_args'])
     with torch.device('meta'):
         model = GPT(cfg)
     model.load_state_dict(ckpt['model'], strict=True, assign=True)  # raises on any key/shape mismatch
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # a name of this process's own
-    try:
-        with open(tmp, 'xb') as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    checkpoint.save_checkpoint(str(out), ckpt)
 
 
 def main(argv=None):
@@ -685,12 +677,14 @@ def main(argv=None):
     p.add_argument('--out', required=True, help="import: our ckpt.pt to write; --to=hf: the directory to write")
     p.add_argument('--tokenizer', default=None,
                    help="tokenizer.json to record in the checkpoint (default: the one found beside the source)")
+    p.add_argument('--allow_unsealed', default=False, type=lambda v: v.lower() == 'true', metavar='True|False',
+                   help="--to=hf: read a checkpoint without a seal (another tool's), unverified")
     args = p.parse_args(argv)
     if (args.src is None) == (args.dst is None):
         raise SystemExit("error: give exactly one of --from=olmo_core|hf (import) or --to=hf (export)")
     try:
         if args.dst == 'hf':
-            print(export_hf(args.path, args.out))
+            print(export_hf(args.path, args.out, args.allow_unsealed))
             return
         if Path(args.out).suffix != '.pt':
             raise ValueError(f"--out={args.out} should be a checkpoint file such as out/<name>/ckpt.pt")

@@ -169,12 +169,14 @@ def reads_stage(device, tiny):
     that runs here, at the 400M L = 32 micro-batch (bf16 sublayer outputs, fp32 embedding and
     streams, as in training): the 2L depth reads of Full and Block AttnRes in a row (`depth_chain`:
     the grouped reads, and fla-core's per-read kernel for Full AttnRes), MoDA's attention of the
-    last block (2(L - 1) depth slots), mHC's coefficients and the HC/mHC stream write and read."""
+    last block (2(L - 1) depth slots), HC's and mHC's streams through two blocks (plain, the fused
+    stream steps, Liger's mHC ops)."""
+    from types import SimpleNamespace
     import torch
     import fast
     import residuals
     from model import GPTConfig
-    from fast import attnres, moda, streams
+    from fast import attnres, moda
     dev = torch.device(device)
     s = TINY_READ_SHAPE if tiny else READ_SHAPE
     B, T, d, L, H = s['B'], s['T'], s['d'], s['L'], s['H']
@@ -233,25 +235,36 @@ def reads_stage(device, tiny):
                                               ('sdpa', fwd_bwd(moda.sdpa_attention, md, q, k, v, dk, dv))])
     del q, k, v, dk, dv
 
-    mh = residuals.MHC(cfg).to(dev)
-    route = mh.layers[0].attn_route
-    m = cfg.hc_streams
-    Hs = rand(B, T, m, d)
-    forms = [('plain', fwd_bwd(mh.coefficients, Hs, route)),
-             ('SinkhornRounds', fwd_bwd(streams.torch_mhc_coefficients, mh, Hs, route))]
-    if 'mhc_coeffs_liger' in have:
-        forms.append(('liger', fwd_bwd(streams.liger_coefficients, mh, Hs, route)))
-    case(f'mhc coefficients, {cfg.mhc_sinkhorn_iters} Sinkhorn rounds', forms)
-    M, w, y, r = rand(B, T, m, m), rand(B, T, m), rand(B, T, d), rand(B, T, m)
-    forms = [('plain', fwd_bwd(mh.write_streams, Hs, M, w, y)),
-             ('batched', fwd_bwd(streams.torch_write, mh, Hs, M, w, y))]
-    if 'streams_write_liger' in have:
-        forms.append(('liger', fwd_bwd(streams.liger_write, mh, Hs, M, w, y)))
-    case('hc/mhc stream write', forms)
-    forms = [('plain', fwd_bwd(mh.read_streams, Hs, r))]
-    if 'streams_read_liger' in have:
-        forms.append(('liger', fwd_bwd(streams.liger_read, mh, Hs, r)))
-    case('hc/mhc stream read', forms)
+    # HC's and mHC's streams through two blocks (four sublayers: coefficients, read, branch, write),
+    # plain, on the fused stream steps (torch, Triton) and on Liger's ops (coefficients, read, write)
+    from model import Block, rope_cache
+    cos, sin = rope_cache(T, d // H, cfg.rope_theta, device=dev)
+    blocks = [Block(cfg).to(dev) for _ in range(2)]
+    for name, cls in (('hc', residuals.HC), ('mhc', residuals.MHC)):
+        res = cls(GPTConfig(**{**vars(cfg), 'residual': name})).to(dev)
+        with torch.no_grad():  # random routing: coefficients that are not the identity init
+            for p in res.parameters():
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+        Hs = rand(B, T, cfg.hc_streams, d)
+
+        def two_blocks(res=res, block=type(res).block):
+            def run(H):
+                with torch.autocast(dev.type, dtype=low, enabled=low != torch.float32):
+                    for b, blk in enumerate(blocks):
+                        H = block(res, H, b, blk, (cos, sin))
+                return H
+            return run
+        forms = [('plain', fwd_bwd(two_blocks(), Hs))]
+        forms += [(q.name, fwd_bwd(two_blocks(block=q.impl), Hs)) for q in fast.FAST_PATHS
+                  if isinstance(res, q.scheme) and q.method == 'block' and q.name in have]
+        liger = [q for q in fast.LIGER_PATHS if isinstance(res, q.scheme) and q.applies(res.cfg)
+                 and fast.available(q, dev)]
+        if liger:
+            fast.enable(SimpleNamespace(residual=res), liger)
+            forms.append(('liger', fwd_bwd(two_blocks(), Hs)))
+        case(f'{name} streams, 2 blocks', forms)
+        fast.disable(SimpleNamespace(residual=res))
+        del Hs, res
     return dict(shape=s, dtype=str(low), reads=results)
 
 

@@ -10,7 +10,7 @@ exits 1 if any variant spills or needs more shared memory or registers than the 
     python tools/kernels.py --json=out/kernels.json
 
 The variants are the launches themselves: a training micro-step at the config's shape runs under
-fake tensors (perf/step.py, fast paths as on CUDA) and fast/launch.py records each launch's
+fake tensors (perf/step.py, fast paths as on CUDA) and perf/launch.py records each launch's
 kernel, argument types and options; every distinct one is compiled. Needs triton (the version of
 requirements-interpret.txt; `--triton_path=.interpret` when it is installed there).
 """
@@ -75,7 +75,7 @@ def launches(config, schemes, batch_size):
     """{key: (module, kernel, args, options, label)} of every distinct launch of a training micro-step."""
     import importlib
     import perf.step as step
-    from fast.launch import Recorder
+    from perf.launch import Recorder
     from model import GPTConfig
     shape = step.shape_of(config)
     batch = batch_size or shape.pop('batch_size')
@@ -172,7 +172,8 @@ def report(config, schemes, batch_size=None, archs=(80, 90), log=print):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--config', default='config/attnres_L32.py', help="train.py config file whose shape is compiled")
     ap.add_argument('--schemes', default='attnres,blockattnres', help="schemes whose launches are compiled")
     ap.add_argument('--batch_size', type=int, default=None, help="micro-batch (default: the config's)")
@@ -185,8 +186,8 @@ def main(argv=None):
     try:
         import triton  # noqa: F401
     except ImportError:
-        sys.exit("tools/kernels.py needs triton: pip install --no-deps --target .interpret -r requirements-interpret.txt, "
-                 "then --triton_path=.interpret")
+        sys.exit("tools/kernels.py needs triton: pip install --no-deps --target .interpret "
+                 "-r requirements-interpret.txt, then --triton_path=.interpret")
     rows = report(a.config, [s.strip() for s in a.schemes.split(',') if s.strip()], a.batch_size,
                   [int(x) for x in a.archs.split(',')])
     if a.json:
