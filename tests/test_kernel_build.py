@@ -32,7 +32,7 @@ def run(*args, timeout=600):
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow  # ~1 minute: ~40 variants, two targets each
+@pytest.mark.slow  # ~2 minutes: ~60 variants, two targets each
 @needs_triton
 def test_every_kernel_variant_builds_for_sm80_and_sm90_without_spills(tmp_path):
     out = tmp_path / 'kernels.json'
@@ -41,8 +41,9 @@ def test_every_kernel_variant_builds_for_sm80_and_sm90_without_spills(tmp_path):
     bad = [f"{x['kernel']} {x['variant']} sm_{x['arch']}: {'; '.join(x['problems'])}" for x in rows if x['problems']]
     assert r.returncode == 0 and not bad, bad or r.stderr[-2000:]
     # the variants are the launches of a real step: every kernel, both schemes, both targets
-    assert {x['kernel'] for x in rows} == {'phase1_fwd', 'phase2_fwd', 'sum_phase2_fwd', 'contribute_bwd', 'finish_bwd'}
-    assert {x['scheme'] for x in rows} == {'attnres', 'blockattnres'} and {x['arch'] for x in rows} == {80, 90}
+    assert {x['kernel'] for x in rows} == {'phase1_fwd', 'phase2_fwd', 'sum_phase2_fwd', 'contribute_bwd', 'finish_bwd',
+                                           'hc_fwd', 'hc_bwd', 'mhc_fwd', 'mhc_bwd', 'mhc_bwd_coef'}
+    assert {x['scheme'] for x in rows} == {'attnres', 'blockattnres', 'hc', 'mhc'} and {x['arch'] for x in rows} == {80, 90}
     assert any('R=8' in x['variant'] for x in rows if x['kernel'] == 'contribute_bwd')  # a full group's backward
     assert all(x['registers'] > 0 for x in rows)
 
