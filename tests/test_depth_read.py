@@ -111,10 +111,11 @@ def test_the_gradient_of_a_few_pseudo_queries(residual, monkeypatch):
 
 def test_the_jacobian_probe_of_a_block():
     """probes.analysis.jacobian_deviation: a block's map differentiated several times over one
-    graph (retain_graph), from a state computed without gradients."""
+    graph (retain_graph), from a state computed without gradients (the fused stream steps of HC
+    and mHC too: their backward runs again on the same saved tensors)."""
     from probes.analysis import jacobian_deviation
     win = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
-    for residual, kw in SCHEMES[:2]:
+    for residual, kw in SCHEMES[:2] + [('hc', {}), ('mhc', {})]:
         want = jacobian_deviation(model_of(residual, kw, False).float(), win, n_probes=3, batch_size=2)
         have = jacobian_deviation(model_of(residual, kw, True).float(), win, n_probes=3, batch_size=2)
         assert have['deviation'] == pytest.approx(want['deviation'], rel=1e-5)
