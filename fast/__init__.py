@@ -29,8 +29,8 @@ reads each source once per group of 8 reads, where fla-core's kernel (`FLA_READ`
 kept to measure against) reads every source at every read. Measured (fast / plain step time,
 same process, interleaved; `python bench.py --suite=fast`; docs/performance.md has the table
 with its machine): on a 2-core CPU, eager, the step takes 0.45x the plain one for Full AttnRes
-and 0.69x for Block AttnRes (the torch forms), 0.92x for mHC (coefficients and stream write),
-0.96x for MoDA, and 0.99x for HC (coefficients and stream write: no win on the CPU). The CUDA
+and 0.69x for Block AttnRes (the torch forms), 0.96x for MoDA, and 1.05x for mHC and 1.10x for
+HC (the fused stream steps' torch form: no win on the CPU). The CUDA
 kernels and the torch forms on CUDA are not yet measured (tools/gpu_check.py times each against
 the plain code; docs/gpu.md); `bench.py --suite=step` estimates them.
 
