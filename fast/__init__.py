@@ -390,6 +390,27 @@ def _replay(fn, res, args, on, dtype, to=None, modules=None, output=0):
     return [o.detach() for o in floats], list(grads), ops.ops
 
 
+NUDGES = 4  # samples of the plain method's rounding on moved inputs, besides the one on the inputs
+
+
+def _nudged(args, seed, dtype=None):
+    """args with every float tensor t moved to t (1 +- 2^-8) (a random sign per entry drawn from
+    `seed`: about one ulp of bf16, so that a low-precision rounding of it falls elsewhere), rounded
+    to `dtype` if given."""
+    g = torch.Generator().manual_seed(seed)
+
+    def move(a):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            sign = (torch.randint(0, 2, a.shape, generator=g) * 2 - 1).to(device=a.device, dtype=torch.float64)
+            t = (a.double() * (1 + sign * 2.0 ** -8)).to(a.dtype)
+            return t if dtype is None else t.to(dtype)
+        if isinstance(a, (list, tuple)):
+            items = [move(b) for b in a]
+            return type(a)(*items) if hasattr(a, '_fields') else type(a)(items)  # a NamedTuple state too
+        return a
+    return [move(a) for a in args]
+
+
 def check_autocast(model, paths, device, dtype):
     """Each fast path against its plain method under the run's autocast `dtype`, on the inputs
     the start-up twin (fp32 weights, `dtype` autocast) hands the plain method: every output and
@@ -399,10 +420,15 @@ def check_autocast(model, paths, device, dtype):
     path that rounds where the plain code does not is refused: FastPathMismatch. A path
     declared `in_run_dtype` (fla's kernel: one dtype for all sources and its output) is given
     the plain method's inputs and outputs rounded to `dtype` and one ulp of `dtype` beside the
-    3x (its fp32 exactness is the fp32 twin's to check). A gradient is measured relative to its
-    own norm floored at 1e-3 of the largest gradient entry of all (per entry), as `check`'s fp32
-    twin: a gradient that is zero but for rounding (mHC's first H_res gates, whose streams are
-    all the embedding and whose columns sum to 1) has no digits for the 3x to compare."""
+    3x (its fp32 exactness is the fp32 twin's to check). The plain method's distance is the largest
+    of 1 + NUDGES samples of its rounding: on the inputs, and on the inputs moved by about one ulp of
+    `dtype` (`_nudged`), each against its own fp64 reference: a gradient small by cancellation (a
+    gate's, summed over every token) carries a rounding noise that one sample can underrate ten
+    times, and a fast path that rounds as finely, only elsewhere, would be refused on it. A
+    gradient is measured relative to its own norm floored at 1e-3 of the largest gradient entry
+    of all (per entry), as `check`'s fp32 twin: a gradient that is zero but for rounding (mHC's
+    first H_res gate, whose streams are all the embedding and whose columns sum to 1) has no
+    digits for the 3x to compare."""
     device = torch.device(device)
     twin = GPT(twin_config(model.config)).to(device=device, dtype=torch.float32)
     randomise(twin)
@@ -426,30 +452,41 @@ def check_autocast(model, paths, device, dtype):
             if p.in_run_dtype:  # and the plain method's outputs are rounded as the fast path's are
                 base_out = [o.to(dtype).to(o.dtype) for o in base_out]
             have_out, have_grads, have_ops = _replay(p.impl, res, args, on, dtype, output=p.output)
+            samples = []  # (outputs, gradients) of the plain method and of fp64 on moved inputs
+            for seed in range(NUDGES):
+                moved = _nudged(args, seed, dtype if p.in_run_dtype else None)
+                w_out, w_grads, _ = _replay(plain, ref, moved, False, dtype, torch.float64, modules, p.output)
+                b_out, b_grads, _ = _replay(plain, res, moved, on, dtype, output=p.output)
+                if p.in_run_dtype:
+                    b_out = [o.to(dtype).to(o.dtype) for o in b_out]
+                samples.append((w_out + w_grads, b_out + b_grads))
             extra = sorted(have_ops - base_ops)
             if extra:
                 raise FastPathMismatch(f"{where}: runs {', '.join(extra)} in {low} where the plain method does not; "
                                        f"run with --fast=False or --dtype=float32")
-            named = [(f"output {i}", t) for i, t in enumerate(zip(want_out, base_out, have_out))] + \
-                    [(f"gradient {i}", t) for i, t in enumerate(zip(want_grads, base_grads, have_grads))]
-            for name, (want, base, have) in named:
+            names = [f"output {i}" for i in range(len(want_out))] + [f"gradient {i}" for i in range(len(want_grads))]
+            for k, (name, want, base, have) in enumerate(zip(names, want_out + want_grads, base_out + base_grads,
+                                                             have_out + have_grads)):
                 if (base is None) != (have is None):
                     raise FastPathMismatch(f"{where}: {name} is computed by one form only; run with --fast=False")
                 if want is None or base is None:
                     continue
                 want = want.double()
-                e = sums.setdefault(name, [0.0, 0.0, 0.0, 0])
+                e = sums.setdefault(name, [0.0, 0.0, 0] + [[0.0, 0.0] for _ in range(1 + NUDGES)])
                 e[0] += (have.double() - want).square().sum().item()
-                e[1] += (base.double() - want).square().sum().item()
-                e[2] += want.square().sum().item()
-                e[3] += want.numel()
+                e[1] += want.square().sum().item()
+                e[2] += want.numel()
                 if name.startswith('gradient'):
                     largest = max(largest, want.abs().max().item())
+                for (w, b), acc in zip([(want, base)] + [(w[k].double(), b[k]) for w, b in samples], e[3:]):
+                    acc[0] += (b.double() - w).square().sum().item()
+                    acc[1] += w.square().sum().item()
         floor = torch.finfo(dtype).eps if p.in_run_dtype else AUTOCAST_FLOOR
-        for name, (e_fast, e_plain, norm, numel) in sums.items():
-            if name.startswith('gradient'):  # per entry, at least GRADIENT_FLOOR of the largest gradient entry
-                norm = max(norm, (GRADIENT_FLOOR * largest) ** 2 * numel)
-            fast_err, plain_err = (e_fast / max(norm, 1e-300)) ** 0.5, (e_plain / max(norm, 1e-300)) ** 0.5
+        for name, (e_fast, norm, numel, *plains) in sums.items():
+            # per entry, at least GRADIENT_FLOOR of the largest gradient entry (each sample's norm too)
+            least = (GRADIENT_FLOOR * largest) ** 2 * numel if name.startswith('gradient') else 0.0
+            fast_err = (e_fast / max(norm, least, 1e-300)) ** 0.5
+            plain_err = max((e / max(n, least, 1e-300)) ** 0.5 for e, n in plains)
             if not fast_err <= AUTOCAST_FACTOR * plain_err + floor:
                 raise FastPathMismatch(
                     f"{where}: {name} is {fast_err:.1e} from fp64 where the plain method is {plain_err:.1e} "

@@ -932,3 +932,39 @@ def test_resolve_reads_the_strings_a_command_line_gives():
     assert fast.describe([]) == 'fast paths: off (the plain code of residuals.py)'
     p = fast.FAST_PATHS[1]
     assert fast.describe([p]) == f'fast paths: {p.name} ({p.runs}) - checked against residuals.py'
+
+
+def gate_gradient_off(c, largest):
+    """MultiStream.block, plain, with c x `largest` added to the gradient of block 0's first H_res
+    gate (mHC's attn_route.alpha_res), a gradient that is zero but for rounding on the twin: its
+    streams are all the embedding, and H_res's columns sum to 1."""
+    def block(self, H, b, layer, rope):
+        if b == 0 and torch.is_grad_enabled():
+            def once(g):  # this replay's gradient only: the plain method's, replayed after it, stay as they are
+                handle.remove()
+                return g + c * largest
+            handle = self.layers[0].attn_route.alpha_res.register_hook(once)
+        return residuals.MultiStream.block(self, H, b, layer, rope)
+    return block
+
+
+def test_the_autocast_guard_holds_a_gradient_zero_but_for_rounding_to_the_largest_entry():
+    """Under bf16 autocast each gradient's norm is floored at 1e-3 of the largest gradient entry
+    (per entry): on a 16-head mHC twin (the 400M model's heads) the first H_res gate's gradient is
+    zero but for rounding, and the fused stream steps, which round it elsewhere than the plain
+    code, are taken (with no floor they are refused: 12 times the gradient's own size from fp64
+    where the plain code is 1.5 times); an error of 1e-3 of the largest entry on it is refused,
+    1e-9 taken."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=128, n_head=16, residual='mhc'))
+    fast.check_autocast(model, [torch_block_paths()[residuals.MHC]], 'cpu', torch.bfloat16)
+    twin = GPT(fast.twin_config(model.config))  # the guard's twin, tokens and gradients (fp32 here)
+    fast.randomise(twin)
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    largest = max(g.abs().max().item() for args, on in fast._calls(twin, 'block', idx, torch.bfloat16)
+                  for g in fast._replay(residuals.MultiStream.block, twin.residual, args, on, torch.bfloat16)[1]
+                  if g is not None)
+    with pytest.raises(fast.FastPathMismatch, match=r'planted_gate .*gradient 9 '):
+        fast.check_autocast(model, [planted('planted_gate', 'block', gate_gradient_off(1e-3, largest),
+                                            residuals.MHC)], 'cpu', torch.bfloat16)
+    fast.check_autocast(model, [planted('planted_gate', 'block', gate_gradient_off(1e-9, largest),
+                                        residuals.MHC)], 'cpu', torch.bfloat16)
