@@ -378,8 +378,9 @@ def mhc_fwd(H, y, Ar0, b0, Hs, ys, Ars, bs, Hn, x, Am, Ar, bt, L, r, phi, bias, 
             sk_eps, iters, M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BDC: tl.constexpr,
             WRITE: tl.constexpr, READ: tl.constexpr, SRC: tl.constexpr, STORE: tl.constexpr, LIGER: tl.constexpr):
     """Tokens of block pid: X = H (m, D) per token, or if SRC the write that made it, Ars^T Hs +
-    bs (x) ys; if WRITE, X <- A_r0^T X + b0 (x) y, stored to Hn if STORE; if READ, mHC's coefficients of X with the next route (phi (m D, m^2 + 2m), bias, the gates
-    apre, apost, ares): r = 1/rms(vec X) (eps), l = r (vec X) phi -> L (N, m^2 + 2m) and r (N);
+    bs (x) ys; if WRITE, X <- A_r0^T X + b0 (x) y, stored to Hn if STORE; if READ, mHC's
+    coefficients of X with the next route (phi (m D, m^2 + 2m), bias, the gates apre, apost, ares):
+    r = 1/rms(vec X) (eps), l = r (vec X) phi -> L (N, m^2 + 2m) and r (N);
     H_pre = sigmoid(apre l_pre + b_pre) -> Am, H_post = 2 sigmoid(apost l_post + b_post) -> bt,
     H_res = Sinkhorn(ares l_res + b_res) (iters rounds, sk_eps, order LIGER) -> Ar; then (pass 2
     over the stored X, or over H and y again when X is not stored) the read x = sum_s H_pre[s] X[s].

@@ -43,7 +43,8 @@ def test_every_kernel_variant_builds_for_sm80_and_sm90_without_spills(tmp_path):
     # the variants are the launches of a real step: every kernel, both schemes, both targets
     assert {x['kernel'] for x in rows} == {'phase1_fwd', 'phase2_fwd', 'sum_phase2_fwd', 'contribute_bwd', 'finish_bwd',
                                            'hc_fwd', 'hc_bwd', 'mhc_fwd', 'mhc_bwd', 'mhc_bwd_coef'}
-    assert {x['scheme'] for x in rows} == {'attnres', 'blockattnres', 'hc', 'mhc'} and {x['arch'] for x in rows} == {80, 90}
+    assert {x['scheme'] for x in rows} == {'attnres', 'blockattnres', 'hc', 'mhc'}
+    assert {x['arch'] for x in rows} == {80, 90}
     assert any('R=8' in x['variant'] for x in rows if x['kernel'] == 'contribute_bwd')  # a full group's backward
     assert all(x['registers'] > 0 for x in rows)
 
