@@ -54,6 +54,19 @@ PLAN = ((range(0, 3), families.MINI_SCHEMES, families.MINI_DEPTHS),
         (range(3, 8), ('preln', 'attnres', 'hc'), (4, 8)))
 N_SEEDS = max(k for ks, _, _ in PLAN for k in ks) + 1
 
+# The training-length ladder (docs/mini.md): the first rung is the plan above, 2.5 tokens per
+# backbone parameter; each further rung (families.MINI_RUNGS) trains Pre-LN, Full AttnRes and HC
+# at L = 4 and 8, seeds 0-5, on one recorded commit. The rows of a rung, stated and committed
+# before its first run: (statistic, scheme), each per seed,
+#   depth_cost  loss at L = 8 minus at L = 4, at the rung (Pre-LN: does the paper's cost appear?)
+#   gap         the scheme's loss minus Pre-LN's at L = 8, at the rung, beside the paper's size
+#   gap_change  that gap at the rung minus at 2.5 tokens per parameter, seeds paired across rungs
+# tested as every row: two-sided paired t at 5%, Holm over the rung's tested rows (a family of
+# its own; the first rung keeps the 14-row family it was stated with).
+RUNG_SEEDS = range(0, 6)
+RUNG_ROWS = (('depth_cost', 'preln'), ('gap', 'hc'), ('gap', 'attnres'), ('gap_change', 'hc'),
+             ('gap_change', 'attnres'))
+
 
 def planned(seeds=None, schemes=None, shapes=None):
     """The (seed, scheme, L) of PLAN that the mini family has, seed by seed, keeping only the

@@ -371,3 +371,19 @@ def test_a_run_of_another_length_is_not_probed_and_warned_about_once(tmp_path, m
     mini.collect(str(tmp_path), seeds=6)
     err = capsys.readouterr().err
     assert 'mhc_L4_seed5 finished at max_iters=5, not the planned' in err
+
+
+def test_a_rung_of_the_ladder_is_the_first_rung_trained_longer():
+    # same shapes, data, batch and recipe; only the length (and the eval interval that follows it)
+    for tpp, family in families.MINI_RUNGS.items():
+        rung = families.runs(family)
+        assert {(r.scheme, r.L) for r in rung} == {(s, L) for s in families.HEADLINE for L in (4, 8)}
+        for r in rung:
+            first = next(iter(families.runs('mini', [r.scheme], [r.L])))
+            assert (r.d, r.backbone, r.total) == (first.d, first.backbone, first.total)
+            differ = {k for k in r.config if r.config[k] != first.config[k]}
+            assert differ == {'out_dir', 'max_iters', 'eval_interval'}
+            tokens = r.config['max_iters'] * 16 * 256
+            assert tokens / r.backbone == pytest.approx(tpp, abs=2 * 4096 / r.backbone)   # whole steps
+            assert r.out_dir == f"out/{family}/{r.name}" and r.config_path == f"config/{family}/{r.name}.py"
+    assert [r.config['max_iters'] for r in families.runs('mini_tpp5', ['preln'])] == [981, 1082]
