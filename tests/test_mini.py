@@ -528,3 +528,56 @@ def test_the_ladder_figure_pairs_the_seeds_both_rungs_have(tmp_path):
     from study import mini_plots
     mini_plots.plot_ladder(points, tmp_path / 'ladder.png')
     assert (tmp_path / 'ladder.png').stat().st_size > 10_000
+
+
+@committed
+def test_every_committed_row_of_the_second_rung_recomputed_independently():
+    from scipy.stats import t as student
+    res = json.loads(COMMITTED.read_text())
+    first = {(r['scheme'], r['L'], r['seed']): r['val_loss'] for r in res['runs'] if r['status'] == 'finished'}
+    rung = {(r['scheme'], r['L'], r['seed']): r['val_loss'] for r in res['rungs']['5']['runs'] if r['status'] == 'finished'}
+    if not rung:
+        pytest.skip("no run of the second rung is committed yet")
+    seeds = sorted({k for (_, _, k) in rung})
+    gap = lambda table, s, k: table[(s, 8, k)] - table[('preln', 8, k)]   # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)                                    # noqa: E731
+
+    def t(v):
+        n, m = len(v), mean(v)
+        se = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1) / n)
+        q = student.ppf(0.975, n - 1)
+        return dict(n=n, mean=m, se=se, p=2 * student.sf(abs(m / se), n - 1), lo=m - q * se, hi=m + q * se)
+
+    def size(r, x):
+        return 'matched' if r['lo'] <= x <= r['hi'] else 'larger' if ((r['hi'] < x) if x < 0 else (r['lo'] > x)) else 'smaller'
+    bpt = 3_094_132 / 653_670
+    pre8 = mean([rung[('preln', 8, k)] for k in seeds])
+    want = [t([rung[('preln', 8, k)] - rung[('preln', 4, k)] for k in seeds]),
+            t([gap(rung, 'hc', k) for k in seeds]), t([gap(rung, 'attnres', k) for k in seeds]),
+            t([gap(rung, 'hc', k) - gap(first, 'hc', k) for k in seeds]),
+            t([gap(rung, 'attnres', k) - gap(first, 'attnres', k) for k in seeds])]
+    papers = [(0.023 / 2.759 * mean([rung[('preln', 4, k)] for k in seeds]), 0.023 / bpt),
+              (-0.083 / 2.782 * pre8, -0.083 / bpt), (-0.064 / 2.782 * pre8, -0.064 / bpt)]
+    for w, a in zip(want, _holm_by_hand([w['p'] for w in want])):
+        w['holm'] = a
+    rows = mini.rung_findings(res, 5.0)
+    for r, w in zip(rows, want):
+        assert (r['n'], r['mean'], r['se'], r['p'], r['lo'], r['hi'], r['p_holm']) == \
+            (w['n'], pytest.approx(w['mean']), pytest.approx(w['se']), pytest.approx(w['p']), pytest.approx(w['lo']),
+             pytest.approx(w['hi']), pytest.approx(w['holm']))
+    for r, w, (F, B) in zip(rows[:3], want[:3], papers):
+        sizes = [size(w, F), size(w, B)]
+        sig, with_sign = w['holm'] <= 0.05, (w['mean'] > 0) == (F > 0)
+        verdict = ('opposite' if not with_sign else 'reproduces' if sizes == ['matched'] * 2 else
+                   'same direction, size unsettled' if sizes[0] != sizes[1] else 'same direction, size not matched') \
+            if sig else "bounded below the paper's size" if sizes == ['smaller'] * 2 else 'not resolved at this scale'
+        assert r['sizes'] == {'F': sizes[0], 'B': sizes[1]} and r['verdict'] == verdict, r['finding']
+    for r, w, s, p in zip(rows[3:], want[3:], ('hc', 'attnres'), (-0.083, -0.064)):
+        before = t([gap(first, s, k) for k in seeds])
+        ref = mean([first[('preln', 8, k)] for k in seeds])
+        toward = [{'larger': 1, 'smaller': -1, 'matched': 0}[size(before, x)] for x in (p / 2.782 * ref, p / bpt)]
+        sign = 1 if w['mean'] > 0 else -1
+        verdict = 'not resolved at this scale' if w['holm'] > 0.05 else "moves toward the paper's size" \
+            if toward == [sign, sign] else "moves away from the paper's size" if sign not in toward \
+            else 'moves; toward or away depends on the scaling'
+        assert r['towards'] == toward and r['verdict'] == verdict, r['finding']
