@@ -4,15 +4,17 @@ every probe on the deepest models, and each finding beside the paper's number.
 
     python study/mini.py --train                  # trains and probes the planned runs (PLAN), then reports
     python study/mini.py --train --seed=3,5       # a share of the plan (also --schemes, --shapes)
+    python study/mini.py --train --rung=5         # the training-length ladder's second rung (RUNG_ROWS)
     python study/mini.py                          # probe what is missing, collect, tables, figures, docs/mini.md
     python study/mini.py --results=docs/mini/results.json   # tables from a results file, figures to out/mini
 
-The sweep is paired: seed k gives every scheme and shape the same data order (train.py's
-loader is seeded by the run's seed alone) and the same held-out windows, so depth costs and
-scheme differences are taken within each seed and their mean and standard error are over
-seeds. The test of a finding: a two-sided paired t-test at 5% with n - 1 degrees of freedom on
-its per-seed values, Holm's correction over the table's tested rows, and the verdicts of
-verdict() (docs/mini.md states the rule and the contrast).
+The sweep is paired: seed k gives every scheme, shape and rung the same data order (train.py's
+loader is seeded by the run's seed alone) and the same held-out windows, so depth costs,
+scheme differences and changes between rungs are taken within each seed and their mean and
+standard error are over seeds. The test of a finding: a two-sided paired t-test at 5% with
+n - 1 degrees of freedom on its per-seed values, Holm's correction over the tested rows of its
+rung's table, the paper's effect on this scale as a fraction of loss and in nats per byte, and
+the verdicts of study/stats.py (docs/mini.md states the rules and the contrasts).
 """
 
 import argparse
