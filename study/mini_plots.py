@@ -150,8 +150,11 @@ def plot_probes(results, rows, path, n_late):
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_title('paired findings: mean over seeds, bars = 95% t-interval', fontsize=8.5)
         ax.grid(axis='x', alpha=0.3)
-    fig.suptitle(f"mini-DepthBench probes of the L = {L} models. Top: mean over seeds with its 95% t-interval "
-                 f"(unpaired), dots = single seeds. Bottom: the paired findings", fontsize=9)
+    deep = [r for r in _finished(results['runs']) if r['L'] == L]
+    scale = f" (backbone {deep[0]['backbone'] / 1e6:.2f}M parameters" if deep else " ("
+    fig.suptitle(f"mini-DepthBench probes of the L = {L} models{scale}, byte-level text, "
+                 f"{results['tokens_per_backbone_param']:g} tokens per backbone parameter). Top: mean over seeds with "
+                 f"its 95% t-interval (unpaired), dots = single seeds. Bottom: the paired findings", fontsize=9)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
