@@ -458,7 +458,8 @@ def rung_findings(results, tpp):
     L = 8 at the rung, beside the paper's size; and each gap's change from the first rung (2.5)
     to this one, paired by seed, judged toward or away from the paper's size by the first
     rung's size() of the same seeds (stats.toward). Holm over these rows, a family of its own.
-    Rows as findings()'s; [] when results hold no such rung.
+    Rows as findings()'s; [] when results hold no such rung. Until every seed of RUNG_SEEDS has
+    finished, every row is stats.INTERIM: its numbers shown, no Holm p, no verdict.
     """
     rung = (results.get('rungs') or {}).get(f"{tpp:g}")
     if not rung:
@@ -501,7 +502,12 @@ def rung_findings(results, tpp):
                              note='' if before['mean'] is None else
                              f"first rung, these seeds: {before['mean']:+.3f}, " + ', '.join(
                                  f"{v or 'no size'} ({SCALINGS[x]})" for x, v in sizes.items())))
-    return _judge(rows)
+    rows = _judge(rows)
+    if set(seeds) != set(RUNG_SEEDS):  # the rows were stated for these seeds: fewer are no test
+        for r in rows:
+            r.update(verdict=stats.INTERIM, p_holm=None,
+                     note=f"{len(seeds)} of the {len(RUNG_SEEDS)} seeds stated; " + (r.get('note') or ''))
+    return rows
 
 
 def ladder(results):

@@ -28,11 +28,12 @@ DIFFERS = 'differs from the paper'
 BOUNDED = "bounded below the paper's size"
 NOT_RESOLVED = 'not resolved at this scale'
 NOT_TESTABLE = 'not testable here'
+INTERIM = 'interim: fewer seeds than stated, not tested'
 TOWARD = "moves toward the paper's size"
 AWAY = "moves away from the paper's size"
 BY_SCALING = 'moves; toward or away depends on the scaling'
 VERDICTS = (REPRODUCES, SIZE_NOT_MATCHED, SIZE_UNSETTLED, NO_SIZE, OPPOSITE, DIFFERS, TOWARD, AWAY, BY_SCALING,
-            BOUNDED, NOT_RESOLVED, NOT_TESTABLE)
+            BOUNDED, NOT_RESOLVED, NOT_TESTABLE, INTERIM)
 PASSING = (REPRODUCES, SIZE_NOT_MATCHED, SIZE_UNSETTLED, NO_SIZE, OPPOSITE, DIFFERS, TOWARD, AWAY, BY_SCALING)
 
 

@@ -466,6 +466,10 @@ def test_a_rungs_rows_by_hand():
     # the first rung's own table is untouched by the rung (its family stays as stated)
     assert [r['finding'] for r in mini.findings(res)] == [r['finding'] for r in mini.findings(dict(res, rungs={}))]
     assert mini.rung_findings(dict(res, rungs=_rung([])), 5.0) == [] and mini.ladder(dict(res, rungs={})) == {}
+    # five of the six seeds stated: the same numbers, no test (HC's row passed above at six)
+    five = mini.rung_findings(dict(res, rungs=_rung([r for r in second if r['seed'] != 5])), 5.0)
+    assert [r['verdict'] for r in five] == [stats.INTERIM] * 5 and all(r['p_holm'] is None for r in five)
+    assert five[1]['n'] == 5 and five[1]['note'].startswith('5 of the 6 seeds stated')
 
 
 def test_a_passing_row_carries_its_robustness_and_every_tested_row_its_power():
