@@ -17,6 +17,7 @@ Families (run names are <scheme>_L<L>; config files in parentheses):
                   (config/cross_scale/<scheme>_<N>M_L<L>.py)                     Tables 8-9
   onepointsix     1.6B, GQA 16/8, d_ff = 3d, LR 5e-4 (config/onepointsix/)       Tables 8-9
   mini            CPU-sized fixed-backbone family on byte-level text (config/mini/)
+  mini_tpp5       the same at L = 4, 8, trained twice as long (config/mini_tpp5/)
 
 A run that is the same training run as one of the main family (same scheme and
 shape; e.g. fixed_backbone L=24 is main's L=24, d=1024) gets its own config file in
@@ -216,9 +217,7 @@ ONEPOINTSIX_SHAPES = ((28, 2048), (40, 1728), (54, 1504))
 # head_dim = d/4 >= 16. Byte-level text (vocab 257) from the embedded sample (data/sample,
 # 2.97M training bytes, so a fresh clone reproduces it), T = 256, float32 on the CPU.
 # Budget: MINI_TOKENS_PER_PARAM = 2.5 tokens per backbone parameter (≈2.1M tokens, ≈520
-# steps of 4,096 tokens, less than one pass over the sample), past the early phase where
-# every deeper shape is simply slower to learn. Five schemes, three shapes, three seeds: 42
-# runs, about 10 process-hours of training on a shared 2-core CPU (docs/mini.md); fast paths on (the CPU torch
+# steps of 4,096 tokens, less than one pass over the sample). Fast paths on (the CPU torch
 # forms, checked against residuals.py at every start). Block AttnRes in 4 blocks (the
 # study's 8 blocks hold 4-8 sublayers each; 4 blocks give 2 and 4 sublayers at L = 4, 8),
 # and not at L = 2, where every block would be one sublayer: Full AttnRes itself.
@@ -227,17 +226,27 @@ MINI_BACKBONE = backbone_params(4, 128, n_head=4)
 MINI_TOKENS_PER_PARAM = 2.5
 MINI_SCHEMES = ('preln', 'attnres', 'blockattnres', 'hc', 'mhc')
 MINI_BATCH = dict(block_size=256, batch_size=16, gradient_accumulation_steps=1)  # 4,096 tokens per step
+# The training-length ladder: the same shapes, data and recipe trained longer, one family per
+# rung (the paper trains ≈20 tokens per parameter). A rung trains the headline schemes at L = 4
+# and 8 only: the depth contrast and the deepest shape of the mini study.
+MINI_RUNGS = {5.0: 'mini_tpp5'}  # tokens per backbone parameter -> family
+MINI_RUNG_DEPTHS = (4, 8)
 
 
-def _mini_shapes():
+def _mini_shapes(tokens_per_param=MINI_TOKENS_PER_PARAM, depths=MINI_DEPTHS, schemes=MINI_SCHEMES):
+    """The mini shapes at depths L, each trained on tokens_per_param x its backbone (whole steps)."""
     shapes = []
-    for L in MINI_DEPTHS:
+    for L in depths:
         d = mini_width(L, MINI_BACKBONE)
         tokens_per_step = MINI_BATCH['block_size'] * MINI_BATCH['batch_size'] * MINI_BATCH['gradient_accumulation_steps']
-        max_iters = round(MINI_TOKENS_PER_PARAM * backbone_params(L, d, n_head=4) / tokens_per_step)
-        schemes = MINI_SCHEMES if L >= 4 else tuple(x for x in MINI_SCHEMES if x != 'blockattnres')
-        shapes.append(Shape(L, d, schemes=schemes, extra=dict(max_iters=max_iters, eval_interval=max_iters // 4)))
+        max_iters = round(tokens_per_param * backbone_params(L, d, n_head=4) / tokens_per_step)
+        here = schemes if L >= 4 else tuple(x for x in schemes if x != 'blockattnres')
+        shapes.append(Shape(L, d, schemes=here, extra=dict(max_iters=max_iters, eval_interval=max_iters // 4)))
     return tuple(shapes)
+
+
+MINI_BASE = dict(dataset='fineweb_edu_byte', **MINI_BATCH, eval_iters=20, log_interval=10, attnres_blocks=4,
+                 device='cpu', dtype='float32', compile=False, fast=True)
 
 
 def _cross_scale_shapes():
@@ -267,10 +276,11 @@ FAMILIES = {f.name: f for f in (
            learning_rate=5e-4),
     Family('mini', 'CPU fixed backbone ≈0.8M, byte-level text, T=256, '
                    f'{MINI_TOKENS_PER_PARAM:g} tokens per backbone parameter',
-           shapes=_mini_shapes(), schemes=MINI_SCHEMES,
-           base=dict(dataset='fineweb_edu_byte', **MINI_BATCH, eval_iters=20, log_interval=10,
-                     attnres_blocks=4, device='cpu', dtype='float32', compile=False, fast=True),
-           vocab_size=BYTE_VOCAB_SIZE, n_head=4),
+           shapes=_mini_shapes(), schemes=MINI_SCHEMES, base=MINI_BASE, vocab_size=BYTE_VOCAB_SIZE, n_head=4),
+    *(Family(name, f'CPU fixed backbone ≈0.8M, byte-level text, T=256, {tpp:g} tokens per backbone parameter '
+                   '(a rung of the mini training-length ladder)',
+             shapes=_mini_shapes(tpp, MINI_RUNG_DEPTHS, HEADLINE), schemes=HEADLINE, base=MINI_BASE,
+             vocab_size=BYTE_VOCAB_SIZE, n_head=4) for tpp, name in MINI_RUNGS.items()),
 )}
 
 # -----------------------------------------------------------------------------

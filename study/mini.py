@@ -4,15 +4,17 @@ every probe on the deepest models, and each finding beside the paper's number.
 
     python study/mini.py --train                  # trains and probes the planned runs (PLAN), then reports
     python study/mini.py --train --seed=3,5       # a share of the plan (also --schemes, --shapes)
+    python study/mini.py --train --rung=5         # the training-length ladder's second rung (RUNG_ROWS)
     python study/mini.py                          # probe what is missing, collect, tables, figures, docs/mini.md
     python study/mini.py --results=docs/mini/results.json   # tables from a results file, figures to out/mini
 
-The sweep is paired: seed k gives every scheme and shape the same data order (train.py's
-loader is seeded by the run's seed alone) and the same held-out windows, so depth costs and
-scheme differences are taken within each seed and their mean and standard error are over
-seeds. The test of a finding: a two-sided paired t-test at 5% with n - 1 degrees of freedom on
-its per-seed values, Holm's correction over the table's tested rows, and the verdicts of
-verdict() (docs/mini.md states the rule and the contrast).
+The sweep is paired: seed k gives every scheme, shape and rung the same data order (train.py's
+loader is seeded by the run's seed alone) and the same held-out windows, so depth costs,
+scheme differences and changes between rungs are taken within each seed and their mean and
+standard error are over seeds. The test of a finding: a two-sided paired t-test at 5% with
+n - 1 degrees of freedom on its per-seed values, Holm's correction over the tested rows of its
+rung's table, the paper's effect on this scale as a fraction of loss and in nats per byte, and
+the verdicts of study/stats.py (docs/mini.md states the rules and the contrasts).
 """
 
 import argparse
@@ -23,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, when run as a script
 import checkpoint  # noqa: E402
-from study import families  # noqa: E402
+from study import families, stats  # noqa: E402
 from study.results import _scheme_color, read_all, read_result, run_command, seed_runs  # noqa: E402
 
 ROOT = families.ROOT
@@ -54,38 +56,68 @@ PLAN = ((range(0, 3), families.MINI_SCHEMES, families.MINI_DEPTHS),
         (range(3, 8), ('preln', 'attnres', 'hc'), (4, 8)))
 N_SEEDS = max(k for ks, _, _ in PLAN for k in ks) + 1
 
+# The training-length ladder (docs/mini.md): the first rung is the plan above, 2.5 tokens per
+# backbone parameter; each further rung (families.MINI_RUNGS) trains Pre-LN, Full AttnRes and HC
+# at L = 4 and 8, seeds 0-5, on one recorded commit. The rows of a rung, stated and committed
+# before its first run: (statistic, scheme), each per seed,
+#   depth_cost  loss at L = 8 minus at L = 4, at the rung (Pre-LN: does the paper's cost appear?)
+#   gap         the scheme's loss minus Pre-LN's at L = 8, at the rung, beside the paper's size
+#   gap_change  that gap at the rung minus at 2.5 tokens per parameter, seeds paired across rungs
+# tested as every row: two-sided paired t at 5%, Holm over the rung's tested rows (a family of
+# its own; the first rung keeps the 14-row family it was stated with).
+RUNG_SEEDS = range(0, 6)
+RUNG_ROWS = (('depth_cost', 'preln'), ('gap', 'hc'), ('gap', 'attnres'), ('gap_change', 'hc'),
+             ('gap_change', 'attnres'))
 
-def planned(seeds=None, schemes=None, shapes=None):
-    """The (seed, scheme, L) of PLAN that the mini family has, seed by seed, keeping only the
-    seed indices, schemes and depths given (None = all)."""
-    have = {(r.scheme, r.L) for r in families.runs('mini')}
-    out = [(k, s, L) for ks, ss, Ls in PLAN for k in ks for s in ss for L in Ls
+
+def planned(seeds=None, schemes=None, shapes=None, tpp=None):
+    """The (seed, scheme, L) of a rung's plan, seed by seed, keeping only the seed indices,
+    schemes and depths given (None = all): PLAN for the first rung (tpp None), RUNG_SEEDS of the
+    family of a further rung (tpp: its tokens per backbone parameter, a key of
+    families.MINI_RUNGS)."""
+    family = rung_family(tpp)
+    have = {(r.scheme, r.L) for r in families.runs(family)}
+    plan = PLAN if family == 'mini' else ((RUNG_SEEDS, families.HEADLINE, families.MINI_RUNG_DEPTHS),)
+    out = [(k, s, L) for ks, ss, Ls in plan for k in ks for s in ss for L in Ls
            if (s, L) in have and (seeds is None or k in seeds) and (schemes is None or s in schemes)
            and (shapes is None or L in shapes)]
     return sorted(dict.fromkeys(out), key=lambda t: t[0])
 
 
-def train_run(k, scheme, L, root=ROOT):
-    """Trains (or resumes) one planned run, seed index k, through study/sweep.py in its own
-    process (sweep.py reports the mini study itself, so it is not imported here). Returns the
-    failures, [(name, reason)] or []."""
-    cmd = [sys.executable, os.path.join('study', 'sweep.py'), 'family=mini', f'schemes={scheme}', f'shapes={L}',
+def rung_family(tpp=None):
+    """The family of a rung: 'mini' for the first (None or 2.5), families.MINI_RUNGS[tpp] for a
+    further one. Raises ValueError naming the rungs for any other."""
+    if tpp is None or tpp == families.MINI_TOKENS_PER_PARAM:
+        return 'mini'
+    if tpp not in families.MINI_RUNGS:
+        raise ValueError(f"no rung at {tpp:g} tokens per parameter; the ladder has "
+                         f"{', '.join(f'{t:g}' for t in (families.MINI_TOKENS_PER_PARAM, *families.MINI_RUNGS))}")
+    return families.MINI_RUNGS[tpp]
+
+
+def train_run(k, scheme, L, root=ROOT, family='mini'):
+    """Trains (or resumes) one planned run of a family, seed index k, through study/sweep.py in
+    its own process (sweep.py reports the mini study itself, so it is not imported here).
+    Returns the failures, [(name, reason)] or []."""
+    cmd = [sys.executable, os.path.join('study', 'sweep.py'), f'family={family}', f'schemes={scheme}', f'shapes={L}',
            f'seed={k}', f'seeds={k + 1}', 'probe=False']
-    return [] if run_command(cmd, root) == 0 else [(f"{scheme}_L{L}_seed{k}", 'study/sweep.py failed')]
+    return [] if run_command(cmd, root) == 0 else [(f"{family}/{scheme}_L{L}_seed{k}", 'study/sweep.py failed')]
 
 
-def train(seeds=None, schemes=None, shapes=None, probe=True, root=ROOT):
-    """Trains the planned runs (finished ones skipped, interrupted ones resumed: study/sweep.py),
-    seed by seed, the deepest shape first (it serves every probe row and the deepest-shape
-    rows), probing each L = DEEPEST model (and each Block AttnRes model, for its read weights) as
-    soon as it finishes. Returns the failures."""
-    todo = planned(seeds, schemes, shapes)
+def train(seeds=None, schemes=None, shapes=None, probe=True, root=ROOT, tpp=None):
+    """Trains the planned runs of a rung (finished ones skipped, interrupted ones resumed:
+    study/sweep.py), seed by seed, the deepest shape first (it serves every probe row and the
+    deepest-shape rows). On the first rung it probes each L = DEEPEST model (and each Block
+    AttnRes model, for its read weights) as soon as it finishes; a further rung has no probe
+    rows. Returns the failures."""
+    family = rung_family(tpp)
+    todo = planned(seeds, schemes, shapes, tpp)
     failures = []
     for k in dict.fromkeys(t[0] for t in todo):
         for L in sorted({L for kk, _, L in todo if kk == k}, reverse=True):
             for s in [s for kk, s, LL in todo if kk == k and LL == L]:
-                failures += train_run(k, s, L, root)
-                if probe and (L == DEEPEST or s == 'blockattnres'):
+                failures += train_run(k, s, L, root, family)
+                if probe and family == 'mini' and (L == DEEPEST or s == 'blockattnres'):
                     failures += probe_missing(root, N_SEEDS, only={k})
     return failures
 
@@ -192,28 +224,19 @@ def _low_use(bw):
     return bw['low_use_sublayers'] if 'low_use_sublayers' in bw else bw['dead_sublayers']
 
 
-def collect(root=ROOT, seeds=N_SEEDS, prior=None):
-    """{'runs': one row per planned run (sweep.read_result's, with 'seed', and 'wall_s',
-    'machine' and 'commits' where study/sweep.py timed it), 'probes': {scheme: {seed: summary}} of the
-    L = DEEPEST models, 'low_use': {L: {seed: low-use sublayers}} of Block AttnRes's shallower
-    models, the budget and the deepest L} from the out/ directories. A run or probe that out/ lacks is taken from
-    `prior` (a results dict; default the committed RESULTS), so a fresh checkout that trains
-    only some seeds keeps the rest. Every planned seed is read, whatever `seeds`; a run that
-    finished at another length than its config's max_iters (a short trial in the study's
-    out_dir) is not the planned run: one warning line, and the prior's row and probes stand."""
-    if prior is None:
-        prior = _read(os.path.join(root, RESULTS))
-    prior = prior if is_results(prior) else {'runs': [], 'probes': {}}
-    old = {(r['scheme'], r['L'], r.get('seed', 0)): r for r in prior['runs'] if r.get('status') == 'finished'}
-    plan = {(s, L, k) for k, s, L in planned()}
-    seeds = max(seeds, N_SEEDS)
-    other = set()  # (scheme, L, seed) of runs in out/ that are not the planned run
-    rows = []
-    for r in read_all('mini', root, seeds):
+def _collect_runs(family, plan, prior_runs, root, seeds, where):
+    """One row per planned run of a family (plan: {(scheme, L, seed)}) from out/, with
+    'wall_s', 'machine' and 'commits' where study/sweep.py timed it; an unfinished one from
+    prior_runs when they hold it finished. A run of another length is not the planned run: one
+    warning line (naming `where`, the results file, when its row is kept). Returns (rows, the
+    (scheme, L, seed) of runs of another length)."""
+    old = {(r['scheme'], r['L'], r.get('seed', 0)): r for r in prior_runs if r.get('status') == 'finished'}
+    other, rows = set(), []
+    for r in read_all(family, root, seeds):
         key = (r['scheme'], r['L'], r['seed'])
         if r['status'] == 'other_length':
             print(f"warning: {r['out_dir']} {r['other_length']}: left out"
-                  + (f" ({RESULTS}'s row kept)" if key in old else ''), file=sys.stderr)
+                  + (f" ({where}'s row kept)" if key in old else ''), file=sys.stderr)
             other.add(key)
         if key not in plan:
             continue
@@ -223,6 +246,26 @@ def collect(root=ROOT, seeds=N_SEEDS, prior=None):
             t = _read(os.path.join(root, r['out_dir'], 'wall_time.json')) or {}
             r = dict(r, wall_s=t.get('wall_s'), machine=t.get('machine'), commits=t.get('commits'))
         rows.append(r)
+    return rows, other
+
+
+def collect(root=ROOT, seeds=N_SEEDS, prior=None):
+    """{'runs': one row per planned run of the first rung (sweep.read_result's, with 'seed', and
+    'wall_s', 'machine' and 'commits' where study/sweep.py timed it), 'probes': {scheme: {seed:
+    summary}} of the L = DEEPEST models, 'low_use': {L: {seed: low-use sublayers}} of Block
+    AttnRes's shallower models, 'rungs': {tokens per parameter: {'family', 'tokens_per_backbone_param',
+    'runs'}} of every further rung, the budget and the deepest L} from the out/ directories. A
+    run or probe that out/ lacks is taken from `prior` (a results dict; default the committed
+    RESULTS), so a fresh checkout that trains only some seeds keeps the rest. Every planned seed
+    is read, whatever `seeds`; a run that finished at another length than its config's
+    max_iters (a short trial in the study's out_dir) is not the planned run: one warning line,
+    and the prior's row and probes stand."""
+    if prior is None:
+        prior = _read(os.path.join(root, RESULTS))
+    prior = prior if is_results(prior) else {'runs': [], 'probes': {}}
+    plan = {(s, L, k) for k, s, L in planned()}
+    seeds = max(seeds, N_SEEDS)
+    rows, other = _collect_runs('mini', plan, prior['runs'], root, seeds, RESULTS)
     probes = {s: dict(v) for s, v in prior['probes'].items()}
     for k, run in deepest_runs(root, seeds):
         p = _read(probe_json(run, root))
@@ -235,79 +278,31 @@ def collect(root=ROOT, seeds=N_SEEDS, prior=None):
         if p and 'block_weights' in p and run.L != DEEPEST and ('blockattnres', run.L, k) in plan - other:
             low_use.setdefault(str(run.L), {})[str(k)] = _low_use(p['block_weights'])
     low_use = {L: dict(sorted(low_use[L].items(), key=lambda kv: int(kv[0]))) for L in sorted(low_use, key=int)}
+    rungs = {}
+    for tpp, family in families.MINI_RUNGS.items():
+        had = (prior.get('rungs') or {}).get(f"{tpp:g}") or {}
+        plan = {(s, L, k) for k, s, L in planned(tpp=tpp)}
+        runs, _ = _collect_runs(family, plan, had.get('runs') or [], root, len(RUNG_SEEDS), RESULTS)
+        rungs[f"{tpp:g}"] = {'family': family, 'tokens_per_backbone_param': tpp, 'runs': runs}
     return {'family': 'mini', 'tokens_per_backbone_param': families.MINI_TOKENS_PER_PARAM,
-            'deepest': DEEPEST, 'runs': rows, 'probes': probes, 'low_use': low_use}
+            'deepest': DEEPEST, 'runs': rows, 'probes': probes, 'low_use': low_use, 'rungs': rungs}
 
 
-ALPHA = 0.05  # the family-wise error rate of the findings table (Holm over its tested rows)
+# The paper's loss effects are in nats per GPT-2 token of its data; this study's losses are in nats
+# per byte. The sample's bytes per GPT-2 token (data/sample/SOURCES.md: 3,094,132 byte tokens,
+# 653,670 GPT-2 tokens, one end-of-text per document in each) converts one into the other.
+BYTES_PER_TOKEN = 3_094_132 / 653_670  # 4.733
+SCALINGS = {'F': 'fraction of loss', 'B': 'nats per byte'}
 
 
-def paired(xs):
-    """(mean, standard error, n) of per-seed values (None for missing seeds dropped); the
-    standard error is the sample standard deviation (n - 1) over sqrt(n), None for one seed."""
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    n = len(xs)
-    if not n:
-        return None, None, 0
-    m = sum(xs) / n
-    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n) if n > 1 else None
-    return m, se, n
-
-
-def t_test(xs, alpha=ALPHA):
+def paper_here(effect, paper_loss, our_loss):
     """
-    The paired test of a finding: a two-sided one-sample t-test of the per-seed values
-    against 0, with n - 1 degrees of freedom (Student; scipy.stats.t). Returns a dict with
-    mean, se, n, t, p and the 1 - alpha confidence interval lo, hi. p, t, lo and hi are None
-    when the test is undefined: fewer than two seeds, or every seed the same (s.e. 0, where
-    the t statistic has no distribution; such a sample must not pass).
+    The paper's loss effect (nats per token) on this study's scale, two ways: {'F': as a
+    fraction of the paper's Pre-LN loss at that shape (paper_loss), times our Pre-LN mean loss
+    at the matching shape (our_loss; None if we have none); 'B': in nats per byte, the effect
+    over BYTES_PER_TOKEN}.
     """
-    from scipy import stats
-    m, se, n = paired(xs)
-    out = dict(mean=m, se=se, n=n, t=None, p=None, lo=None, hi=None)
-    if n < 2 or not se:
-        return out
-    q = float(stats.t.ppf(1 - alpha / 2, n - 1))
-    t = m / se
-    out.update(t=t, p=float(2 * stats.t.sf(abs(t), n - 1)), lo=m - q * se, hi=m + q * se)
-    return out
-
-
-def holm(ps, alpha=ALPHA):
-    """
-    Holm's step-down correction: ps (p-values, None = untested) -> (adjusted p, rejected) per
-    entry, in the same order; None/False for untested ones. The i-th smallest of m p-values
-    is multiplied by m - i + 1 (i from 1), made non-decreasing and capped at 1; a hypothesis
-    is rejected when its adjusted p is <= alpha (Holm 1979).
-    """
-    idx = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
-    m = len(idx)
-    adj, run = [None] * len(ps), 0.0
-    for rank, i in enumerate(idx):
-        run = max(run, min(1.0, (m - rank) * ps[i]))
-        adj[i] = run
-    return adj, [a is not None and a <= alpha for a in adj]
-
-
-def verdict(test, p_adj, paper_effect, paper_sign):
-    """
-    The verdict of one finding, from its t_test, its Holm-adjusted p and the paper's effect
-    on this scale (None when the paper gives no size). paper_sign: +1 / -1 the direction the
-    paper reports, 0 when the paper reports no difference. Verdicts:
-      reproduces / opposite      adjusted p <= ALPHA, the mean with / against the paper's sign;
-      differs from the paper     adjusted p <= ALPHA where the paper reports no difference;
-      bounded below the paper's size   not significant, and the 1 - ALPHA interval lies wholly
-                                 on the near side of the paper's effect (excludes it);
-      not resolved at this scale otherwise (including an undefined test: < 2 seeds, s.e. 0).
-    """
-    if test['p'] is not None and p_adj is not None and p_adj <= ALPHA:
-        if paper_sign == 0:
-            return 'differs from the paper'
-        return 'reproduces' if (test['mean'] > 0) == (paper_sign > 0) else 'opposite'
-    if test['lo'] is not None and paper_effect is not None and paper_sign != 0:
-        if (paper_effect > 0 and test['hi'] < paper_effect) or (paper_effect < 0 and test['lo'] > paper_effect):
-            return 'bounded below the paper\'s size'
-    return 'not resolved at this scale'
+    return {'F': None if our_loss is None else effect / paper_loss * our_loss, 'B': effect / BYTES_PER_TOKEN}
 
 
 def late_pairs(L):
@@ -326,64 +321,93 @@ MATCHED = (2, 4)
 ERANK_MAX = 4  # m, the streams of HC and mHC: the effective rank of an m x m map is at most m
 
 
+def _losses(runs):
+    """{(scheme, L, seed): validation loss} of the finished runs of a results list."""
+    return {(r['scheme'], r['L'], r.get('seed', 0)): r['val_loss'] for r in runs
+            if r['status'] == 'finished' and r['val_loss'] is not None}
+
+
+def _minus(a, b):
+    return None if a is None or b is None else a - b
+
+
+def _row(finding, paper, vals, paper_sign, statistic, here=None, untestable=None, note='', kind='effect', towards=()):
+    """One findings row before Holm: the t_test fields, the exact tests, the paper's size on this
+    scale under each scaling ('here', {F, B} or None) and the interval's size() against each."""
+    t = stats.t_test(vals)
+    if untestable:
+        t.update(t=None, p=None, lo=None, hi=None)
+    sizes = {k: stats.size(t['lo'], t['hi'], v) for k, v in (here or {}).items()}
+    return dict(finding=finding, paper=paper, paper_sign=paper_sign, statistic=statistic, here=here, sizes=sizes,
+                size=stats.agreed_size(list(sizes.values())) if here else None, note=untestable or note,
+                testable=not untestable, kind=kind, towards=list(towards), **t,
+                **(stats.exact_tests(vals) if not untestable else dict(perm_p=None, sign_p=None, min_p=None)))
+
+
+def _judge(rows):
+    """Holm over the tested rows of one family, then each row's verdict and power: 'detectable',
+    the smallest mean its t-test finds with 80% power at Holm's first-step level ALPHA / m
+    (its level when no other row passes), from its own s.d. and n."""
+    adj, _, level = stats.holm([r['p'] for r in rows])
+    m = sum(r['p'] is not None for r in rows)
+    for r, a, lv in zip(rows, adj, level):
+        r.update(p_holm=a, holm_level=lv, family_size=m,
+                 detectable=stats.detectable(r['sd'], r['n'], stats.ALPHA / m) if m and r['testable'] else None)
+        if not r['testable']:
+            r['verdict'] = stats.NOT_TESTABLE
+        elif r['kind'] == 'change':
+            r['verdict'] = stats.change_verdict(r, a, r['towards'])
+        else:
+            r['verdict'] = stats.verdict(r, a, r['paper_sign'], list(r['sizes'].values()))
+    return rows
+
+
 def findings(results):
     """
-    The table rows: dicts with finding, paper (the paper's number as text), paper_effect (the
-    paper's effect on this study's scale, None where it gives no size or the measure is on
-    another scale, as the late-pair shares of these shallow models are), paper_sign, the
-    t_test fields (mean, se, n, t, p, lo, hi), p_holm, verdict, statistic, and note (why a row
-    is not testable, or its unit in late pairs). A loss effect is scaled by the ratio of
-    losses: the paper's difference over its Pre-LN loss at the same shape (Fig. 2), times this
-    study's Pre-LN mean loss at the matching shape.
+    The first rung's rows (2.5 tokens per backbone parameter): dicts with finding, paper (the
+    paper's number as text), here (the paper's effect on this scale, {F, B}: paper_here; None
+    where it gives no size or the measure is on another scale, as the late-pair shares of these
+    shallow models are), sizes and size, paper_sign, the t_test and exact_tests fields, p_holm,
+    holm_level, detectable, verdict, statistic and note. Holm runs over the tested rows of this
+    table, the family stated before seeds 3-7.
     """
-    loss = {}  # (scheme, L, seed) -> val loss
-    for r in results['runs']:
-        if r['status'] == 'finished' and r['val_loss'] is not None:
-            loss[(r['scheme'], r['L'], r.get('seed', 0))] = r['val_loss']
+    loss = _losses(results['runs'])
     seeds = sorted({k for (_, _, k) in loss} | {int(k) for v in results['probes'].values() for k in v})
     pr = results['probes']
     P = PAPER
     rows = []
 
-    def minus(a, b):
-        return None if a is None or b is None else a - b
+    def here(effect, paper_L, L):
+        return paper_here(effect, P[f'loss_L{paper_L}']['preln'], _mean([loss.get(('preln', L, k)) for k in seeds]))
 
-    def scaled(effect, paper_L, L):  # the paper's loss effect as a fraction of its Pre-LN loss, on ours
-        ref = _mean([loss.get(('preln', L, k)) for k in seeds])
-        return None if ref is None else effect / P[f'loss_L{paper_L}']['preln'] * ref
-
-    def add(finding, paper, values, paper_sign, stat, paper_effect=None, untestable=None, note=''):
-        t = t_test(values)
-        if untestable:
-            t.update(t=None, p=None, lo=None, hi=None)
-        rows.append(dict(finding=finding, paper=paper, paper_effect=paper_effect, paper_sign=paper_sign,
-                         statistic=stat, note=untestable or note, testable=not untestable, **t))
+    def add(*a, **kw):
+        rows.append(_row(*a, **kw))
 
     def depth_cost(s, k, L1, L2):
-        return minus(loss.get((s, L2, k)), loss.get((s, L1, k)))
+        return _minus(loss.get((s, L2, k)), loss.get((s, L1, k)))
 
     cost = {s: P['loss_L32'][s] - P['loss_L16'][s] for s in ('preln', 'attnres', 'hc')}
     for (L1, L2), tag in ((CONTRAST, ''), (MATCHED, ', d/L-matched')):
         add(f"Pre-LN: extra depth costs loss (L {L1} -> {L2}{tag}; paper 16 -> 32)", f"{cost['preln']:+.3f}",
             [depth_cost('preln', k, L1, L2) for k in seeds], +1, 'loss at the deeper shape minus the shallower, per seed',
-            scaled(cost['preln'], 16, L1))
+            here(cost['preln'], 16, L1))
         for s, name in (('attnres', 'Full AttnRes'), ('hc', 'HC')):
             d = cost[s] - cost['preln']
             add(f"{name} turns depth into lower loss than Pre-LN (L {L1} -> {L2}{tag})", f"{d:+.3f}",
-                [minus(depth_cost(s, k, L1, L2), depth_cost('preln', k, L1, L2)) for k in seeds], -1,
-                "depth cost minus Pre-LN's, paired by seed", scaled(d, 16, L1))
+                [_minus(depth_cost(s, k, L1, L2), depth_cost('preln', k, L1, L2)) for k in seeds], -1,
+                "depth cost minus Pre-LN's, paired by seed", here(d, 16, L1))
     L = CONTRAST[1]
     for s, name in (('attnres', 'Full AttnRes'), ('hc', 'HC')):
         d = P['loss_L32'][s] - P['loss_L32']['preln']
         add(f"{name} below Pre-LN at the deepest shape (L {L}; paper 32)", f"{d:+.3f}",
-            [minus(loss.get((s, L, k)), loss.get(('preln', L, k))) for k in seeds], -1,
-            'loss difference, paired by seed', scaled(d, 32, L))
+            [_minus(loss.get((s, L, k)), loss.get(('preln', L, k))) for k in seeds], -1,
+            'loss difference, paired by seed', here(d, 32, L))
 
     def probe(s, k, key):
         return pr.get(s, {}).get(str(k), {}).get(key)
 
     def probe_diff(key, a, b):
-        return [minus(probe(a, k, key), probe(b, k, key)) for k in seeds]
+        return [_minus(probe(a, k, key), probe(b, k, key)) for k in seeds]
     n_late = late_pairs(results['deepest'])
     for key, label in (('R_causal', 'causal score > 0.45'), ('R_perm', 'permutation score > 0.15')):
         for s, name in (('attnres', 'Full AttnRes'), ('hc', 'HC')):
@@ -421,11 +445,74 @@ def findings(results):
         probe_diff('prune_late', 'attnres', 'preln'), +1, 'held-out loss added by one dropped late block, paired')
     add(f"Dropping a late block costs HC as much as Pre-LN (L {L})", "as Pre-LN (Fig. 8 left)",
         probe_diff('prune_late', 'hc', 'preln'), 0, 'held-out loss added by one dropped late block, paired')
-    adj, _ = holm([r['p'] for r in rows])
-    for r, a in zip(rows, adj):
-        r['p_holm'] = a
-        r['verdict'] = verdict(r, a, r['paper_effect'], r['paper_sign']) if r['testable'] else 'not testable here'
+    return _judge(rows)
+
+
+NAMES = {'preln': 'Pre-LN', 'attnres': 'Full AttnRes', 'hc': 'HC'}
+
+
+def rung_findings(results, tpp):
+    """
+    The rows of a further rung of the ladder (RUNG_ROWS, stated before its runs), `tpp` tokens
+    per backbone parameter: Pre-LN's depth cost L = 4 -> 8 and each scheme's gap to Pre-LN at
+    L = 8 at the rung, beside the paper's size; and each gap's change from the first rung (2.5)
+    to this one, paired by seed, judged toward or away from the paper's size by the first
+    rung's size() of the same seeds (stats.toward). Holm over these rows, a family of its own.
+    Rows as findings()'s; [] when results hold no such rung. Until every seed of RUNG_SEEDS has
+    finished, every row is stats.INTERIM: its numbers shown, no Holm p, no verdict.
+    """
+    rung = (results.get('rungs') or {}).get(f"{tpp:g}")
+    if not rung:
+        return []
+    first, loss = _losses(results['runs']), _losses(rung['runs'])
+    if not loss:
+        return []
+    seeds = sorted({k for (_, _, k) in loss})
+    P, (L1, L2) = PAPER, CONTRAST
+    tag = f"{tpp:g} tokens per parameter"
+
+    def pre(table, L, ks):
+        return _mean([table.get(('preln', L, k)) for k in ks])
+
+    def gap(table, s, k):
+        return _minus(table.get((s, L2, k)), table.get(('preln', L2, k)))
+    rows = []
+    for kind, s in RUNG_ROWS:
+        d = P['loss_L32'][s] - P['loss_L32']['preln']
+        if kind == 'depth_cost':
+            c = P['loss_L32'][s] - P['loss_L16'][s]
+            rows.append(_row(f"{NAMES[s]}: extra depth costs loss (L {L1} -> {L2}; paper 16 -> 32), {tag}",
+                             f"{c:+.3f}", [_minus(loss.get((s, L2, k)), loss.get((s, L1, k))) for k in seeds], +1,
+                             'loss at the deeper shape minus the shallower, per seed',
+                             paper_here(c, P['loss_L16']['preln'], pre(loss, L1, seeds))))
+        elif kind == 'gap':
+            rows.append(_row(f"{NAMES[s]} below Pre-LN at the deepest shape (L {L2}; paper 32), {tag}", f"{d:+.3f}",
+                             [gap(loss, s, k) for k in seeds], -1, 'loss difference, paired by seed',
+                             paper_here(d, P['loss_L32']['preln'], pre(loss, L2, seeds))))
+        else:  # gap_change: the first rung's gap of the same seeds sets which way is toward the paper
+            both = [k for k in seeds if gap(loss, s, k) is not None and gap(first, s, k) is not None]
+            before = stats.t_test([gap(first, s, k) for k in both])
+            at = paper_here(d, P['loss_L32']['preln'], pre(first, L2, both))
+            sizes = {x: stats.size(before['lo'], before['hi'], at[x]) for x in at}
+            rows.append(_row(f"{NAMES[s]}'s gap to Pre-LN at L {L2}: change from "
+                             f"{families.MINI_TOKENS_PER_PARAM:g} to {tag}", f"{d:+.3f} at ≈20",
+                             [_minus(gap(loss, s, k), gap(first, s, k)) for k in both], 0,
+                             'gap at this rung minus at the first, paired by seed', kind='change',
+                             towards=[stats.toward(sizes[x], -1) for x in at],
+                             note='' if before['mean'] is None else
+                             f"first rung, these seeds: {before['mean']:+.3f}, " + ', '.join(
+                                 f"{v or 'no size'} ({SCALINGS[x]})" for x, v in sizes.items())))
+    rows = _judge(rows)
+    if set(seeds) != set(RUNG_SEEDS):  # the rows were stated for these seeds: fewer are no test
+        for r in rows:
+            r.update(verdict=stats.INTERIM, p_holm=None,
+                     note=f"{len(seeds)} of the {len(RUNG_SEEDS)} seeds stated; " + (r.get('note') or ''))
     return rows
+
+
+def ladder(results):
+    """{tokens per parameter: rows} of every further rung the results hold (rung_findings)."""
+    return {float(t): rung_findings(results, float(t)) for t in sorted(results.get('rungs') or {}, key=float)}
 
 
 def per_scheme(results):
@@ -433,7 +520,7 @@ def per_scheme(results):
     out = {}
     for s, by_seed in results['probes'].items():
         keys = sorted({k for v in by_seed.values() for k in v})
-        out[s] = {key: paired([v.get(key) for v in by_seed.values()]) for key in keys}
+        out[s] = {key: stats.paired([v.get(key) for v in by_seed.values()]) for key in keys}
     return out
 
 
@@ -448,17 +535,27 @@ def _p(p):
     return '–' if p is None else f"{p:.3f}" if p >= 0.001 else f"{p:.0e}"
 
 
+def _unit(r):
+    """A number formatter for a row: shares of late pairs in percent, the rest in their unit."""
+    return (lambda x: f"{100 * x:+.1f}%") if 'R_' in r['statistic'] else (lambda x: f"{x:+.3f}")
+
+
 def format_findings(rows):
-    """The findings table as markdown; `paper here` is the paper's effect on this study's scale."""
-    lines = ["| finding | paper | paper here | ours: mean ± s.e. (seeds) | 95% interval | p | p, Holm | verdict "
-             "| statistic | note |", "|---" * 10 + "|"]
+    """A findings table as markdown: the paper's effect on this scale as a fraction of loss /
+    in nats per byte, the 95% interval's size against each, and the smallest mean the row
+    detects with 80% power at Holm's first-step level."""
+    lines = ["| finding | paper | paper here: fraction of loss / nats per byte | ours: mean ± s.e. (seeds) "
+             "| 95% interval | size against the paper (F / B) | p | p, Holm | detectable (80% power) | verdict "
+             "| statistic | note |", "|---" * 12 + "|"]
     for r in rows:
-        pct = 'R_' in r['statistic']
-        f = (lambda x: f"{100 * x:+.1f}%") if pct else (lambda x: f"{x:+.3f}")
+        f = _unit(r)
         ci = '–' if r['lo'] is None else f"[{f(r['lo'])}, {f(r['hi'])}]"
-        lines.append(f"| {r['finding']} | {r['paper']} | {'–' if r['paper_effect'] is None else f(r['paper_effect'])} "
-                     f"| {_fmt(r['mean'], r['se'], r['n'], pct)} | {ci} | {_p(r['p'])} | {_p(r.get('p_holm'))} "
-                     f"| {r['verdict']} | {r['statistic']} | {r['note'] or ''} |")
+        here = '–' if not r['here'] else ' / '.join('–' if r['here'][k] is None else f(r['here'][k]) for k in SCALINGS)
+        size = '–' if not r['sizes'] else ' / '.join(r['sizes'][k] or '–' for k in SCALINGS)
+        det = '–' if r['detectable'] is None else f(r['detectable']).lstrip('+')
+        lines.append(f"| {r['finding']} | {r['paper']} | {here} | {_fmt(r['mean'], r['se'], r['n'], 'R_' in r['statistic'])} "
+                     f"| {ci} | {size} | {_p(r['p'])} | {_p(r.get('p_holm'))} | {det} | {r['verdict']} "
+                     f"| {r['statistic']} | {r['note'] or ''} |")
     return "\n".join(lines)
 
 
@@ -496,28 +593,36 @@ def _finished(results):
     return [r for r in results['runs'] if r['status'] == 'finished' and r['val_loss'] is not None]
 
 
-def format_seeds(results):
-    """Which seeds every (scheme, L) cell has, grouped by identical seed sets."""
-    cells = {}
-    for r in _finished(results):
-        cells.setdefault((r['scheme'], r['L']), set()).add(r.get('seed', 0))
+def _seed_groups(runs, label=''):
+    """Lines naming which seeds every (scheme, L) cell of `runs` has, grouped by identical seed
+    sets, then the planned runs not finished."""
+    cells, missing = {}, {}
+    for r in runs:
+        if r['status'] == 'finished' and r['val_loss'] is not None:
+            cells.setdefault((r['scheme'], r['L']), set()).add(r.get('seed', 0))
+        else:
+            missing.setdefault((r['scheme'], r['L']), []).append(r.get('seed', 0))
     groups = {}
     for (s, L), ks in sorted(cells.items(), key=lambda kv: (families.MINI_SCHEMES.index(kv[0][0]), kv[0][1])):
         groups.setdefault(tuple(sorted(ks)), []).append(f"{s} L = {L}")
-    lines = [f"- {len(ks)} seed{'s' if len(ks) > 1 else ''} ({_seed_list(ks)}): {', '.join(c)}"
+    lines = [f"- {label}{len(ks)} seed{'s' if len(ks) > 1 else ''} ({_seed_list(ks)}): {', '.join(c)}"
              for ks, c in sorted(groups.items(), key=lambda kv: -len(kv[0]))]
-    missing = {}
-    for r in results['runs']:
-        if r['status'] != 'finished':
-            missing.setdefault((r['scheme'], r['L']), []).append(r.get('seed', 0))
     if missing:
-        lines.append(f"- planned, not finished ({sum(map(len, missing.values()))} runs): " + ', '.join(
+        lines.append(f"- {label}planned, not finished ({sum(map(len, missing.values()))} runs): " + ', '.join(
             f"{s} L = {L} seeds {_seed_list(ks)}" for (s, L), ks in missing.items()))
+    return lines
+
+
+def format_seeds(results):
+    """Which seeds every (scheme, L) cell of every rung has, and which models were probed."""
+    lines = _seed_groups(results['runs'], f"{results['tokens_per_backbone_param']:g} tokens per parameter, ")
     probed = {s: sorted(int(k) for k in v) for s, v in results['probes'].items()}
     lines.append(f"- probes at L = {results['deepest']}: " + '; '.join(
         f"{s} seeds {_seed_list(probed[s])}" for s in families.MINI_SCHEMES if s in probed))
     for L, v in (results.get('low_use') or {}).items():
         lines.append(f"- Block AttnRes's read weights (block_weights) at L = {L}: seeds {_seed_list(sorted(map(int, v)))}")
+    for rung in (results.get('rungs') or {}).values():
+        lines += _seed_groups(rung['runs'], f"{rung['tokens_per_backbone_param']:g} tokens per parameter, ")
     return "\n".join(lines)
 
 
@@ -530,7 +635,7 @@ def format_loss(results):
         ratio = next(r['ratio'] for r in done if r['L'] == L)
         cells = []
         for s in schemes:
-            m, se, n = paired([r['val_loss'] for r in done if r['scheme'] == s and r['L'] == L])
+            m, se, n = stats.paired([r['val_loss'] for r in done if r['scheme'] == s and r['L'] == L])
             cells.append('–' if m is None else f"{m:.3f}" + ('' if se is None else f" ± {se:.3f}") + f" ({n})")
         lines.append(f"| {L} ({ratio:.0f}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -562,48 +667,164 @@ def format_confounds(results):
     return "\n".join(lines)
 
 
+def _robustness(r):
+    """The row's exact tests against its Holm level: do they reach it without normality?"""
+    reach = [name for name, p in (('the permutation test', r['perm_p']), ('the sign test', r['sign_p']))
+             if p is not None and p <= r['holm_level']]
+    head = (f"without normality: sign-flip permutation p {_p(r['perm_p'])}, sign test p {_p(r['sign_p'])} "
+            f"(neither can go below {_p(r['min_p'])} with {r['n']} seeds), against this row's Holm level "
+            f"{r['holm_level']:.4f}: ")
+    if len(reach) == 2:
+        return head + "both reach it"
+    if reach:
+        return head + f"only {reach[0]} reaches it"
+    return head + "neither reaches it" + (", nor could at this n" if r['min_p'] > r['holm_level'] else '') + \
+        "; the verdict rests on the t-test's normal model"
+
+
+def _power(r):
+    """The row's smallest detectable mean, and its multiple of the paper's size on each scale."""
+    if r['detectable'] is None:
+        if r['n'] < 2 or not r['testable']:
+            return ''
+        return (f"; power: undefined (every seed the same), and no sign-based test can pass at n = {r['n']}"
+                if r['min_p'] is not None and r['min_p'] > stats.ALPHA / r['family_size'] else
+                "; power: undefined (every seed the same)")
+    f = _unit(r)
+    times = [f"{r['detectable'] / abs(v):.1f}×" for v in (r['here'] or {}).values() if v]
+    return (f"; detectable with 80% power: {f(r['detectable']).lstrip('+')}"
+            + (f" ({' / '.join(times)} the paper's size, F / B)" if len(times) == 2 else ''))
+
+
 def format_verdicts(rows):
-    """The findings grouped by verdict, one line per verdict, generated from the rows."""
+    """The findings grouped by verdict, one line per row (its mean, Holm p and power), and for
+    each row that passes its robustness without normality."""
     tested = sum(r['p'] is not None for r in rows)
-    order = ('reproduces', 'opposite', 'differs from the paper', "bounded below the paper's size",
-             'not resolved at this scale', 'not testable here')
     lines = [f"Of {len(rows)} rows, {tested} are tested (Holm over {tested}):"]
-    for v in order:
+    for v in stats.VERDICTS:
         mine = [r for r in rows if r['verdict'] == v]
         if not mine:
             continue
         lines.append(f"- **{v}** ({len(mine)}):")
         for r in mine:
-            pct = 'R_' in r['statistic']
-            lines.append(f"  - {r['finding']}: " + (r['note'] if v == 'not testable here' else
-                         f"{_fmt(r['mean'], r['se'], r['n'], pct)}, p (Holm) {_p(r.get('p_holm'))}"))
+            if v == stats.NOT_TESTABLE:
+                lines.append(f"  - {r['finding']}: {r['note']}")
+                continue
+            size = '' if not r['size'] else f"; size {r['size']} under both scalings" if r['size'] != 'scalings disagree' \
+                else "; no size verdict, the scalings disagree (" + ', '.join(
+                    f"{SCALINGS[k]}: {r['sizes'][k]}" for k in SCALINGS) + ")"
+            lines.append(f"  - {r['finding']}: {_fmt(r['mean'], r['se'], r['n'], 'R_' in r['statistic'])}, "
+                         f"p (Holm) {_p(r.get('p_holm'))}{size}{_power(r)}")
+            if v in stats.PASSING:
+                lines.append(f"    - {_robustness(r)}")
     return "\n".join(lines)
+
+
+def _all_runs(results):
+    """(tokens per parameter, row) of every finished run of every rung."""
+    out = [(results['tokens_per_backbone_param'], r) for r in _finished(results)]
+    for rung in (results.get('rungs') or {}).values():
+        out += [(rung['tokens_per_backbone_param'], r) for r in rung['runs']
+                if r['status'] == 'finished' and r['val_loss'] is not None]
+    return out
 
 
 def format_timing(results):
-    """The recorded wall time, machine and code version of the runs that have them."""
-    timed = [r for r in _finished(results) if r.get('wall_s')]
-    untimed = len(_finished(results)) - len(timed)
+    """The recorded wall time, machine and code version of the runs that have them, per rung."""
+    done = _all_runs(results)
+    timed = [(t, r) for t, r in done if r.get('wall_s')]
     if not timed:
-        return f"- no run carries a recorded wall time ({untimed} finished runs)"
+        return f"- no run carries a recorded wall time ({len(done)} finished runs)"
     lines = []
-    for L in sorted({r['L'] for r in timed}):
-        w = [r['wall_s'] / 60 for r in timed if r['L'] == L]
+    for tpp, L in sorted({(t, r['L']) for t, r in timed}):
+        w = [r['wall_s'] / 60 for t, r in timed if (t, r['L']) == (tpp, L)]
         span = f"{min(w):.0f}" if round(min(w)) == round(max(w)) else f"{min(w):.0f}–{max(w):.0f}"
-        lines.append(f"- L = {L}: {len(w)} timed run{'s' if len(w) > 1 else ''}, {span} minutes of wall time each "
-                     f"({next(r['iter'] for r in timed if r['L'] == L)} steps)")
+        lines.append(f"- {tpp:g} tokens per parameter, L = {L}: {len(w)} timed run{'s' if len(w) > 1 else ''}, {span} "
+                     f"minutes of wall time each ({next(r['iter'] for t, r in timed if (t, r['L']) == (tpp, L))} steps)")
     machines = sorted({(m.get('cpu'), m.get('cpus'), m.get('threads'), m.get('platform'))
-                       for m in (r.get('machine') or {} for r in timed)}, key=str)
+                       for m in (r.get('machine') or {} for _, r in timed)}, key=str)
     for cpu, cpus, threads, plat in machines:
         lines.append(f"- machine: {cpu}, {cpus} logical CPUs, OMP_NUM_THREADS={threads} per run, {plat}")
-    lines.append(f"- total {sum(r['wall_s'] for r in timed) / 3600:.1f} process-hours over {len(timed)} runs; "
-                 f"{untimed} finished runs carry no recorded wall time")
-    versioned = [r for r in _finished(results) if r.get('commits')]
-    if versioned:  # the code that trained them (sweep.code_version at each launch)
-        commits = sorted({c for r in versioned for c in r['commits']})
-        lines.append(f"- code: {len(commits)} commit{'s' if len(commits) > 1 else ''} ({', '.join(commits)}) over the "
-                     f"{len(versioned)} runs that record one; {len(_finished(results)) - len(versioned)} record none")
+    lines.append(f"- total {sum(r['wall_s'] for _, r in timed) / 3600:.1f} process-hours over {len(timed)} runs; "
+                 f"{len(done) - len(timed)} finished runs carry no recorded wall time")
+    for tpp in sorted({t for t, _ in done}):
+        mine = [r for t, r in done if t == tpp]
+        commits = sorted({c for r in mine for c in r.get('commits') or []})
+        if commits:  # the code that trained them (sweep.code_version at each launch)
+            n = sum(bool(r.get('commits')) for r in mine)
+            lines.append(f"- code at {tpp:g} tokens per parameter: {len(commits)} commit{'s' if len(commits) > 1 else ''} "
+                         f"({', '.join(commits)}) over the {n} runs that record one; {len(mine) - n} record none")
+        else:
+            lines.append(f"- code at {tpp:g} tokens per parameter: none of its {len(mine)} runs records a commit")
     return "\n".join(lines)
+
+
+def format_ladder_loss(results):
+    """Validation loss of Pre-LN, Full AttnRes and HC per rung and depth: mean ± s.e. (seeds)."""
+    lines = ["| tokens per parameter | L (d/L) | " + " | ".join(families.HEADLINE) + " |",
+             "|---" * (len(families.HEADLINE) + 2) + "|"]
+    done = _all_runs(results)
+    for tpp, L in sorted({(t, r['L']) for t, r in done if r['L'] in families.MINI_RUNG_DEPTHS}):
+        ratio = next(r['ratio'] for t, r in done if r['L'] == L)
+        cells = []
+        for s in families.HEADLINE:
+            m, se, n = stats.paired([r['val_loss'] for t, r in done if (t, r['scheme'], r['L']) == (tpp, s, L)])
+            cells.append('–' if m is None else f"{m:.3f}" + ('' if se is None else f" ± {se:.3f}") + f" ({n})")
+        lines.append(f"| {tpp:g} | {L} ({ratio:.0f}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_differences(results):
+    """Every paired difference of loss the rungs allow, tested or not: each scheme's depth cost
+    (loss at the deeper shape minus the shallower) and its gap to Pre-LN at each depth, mean
+    [95% t-interval] (seeds), the gaps also as a share of Pre-LN's loss; the paper's Fig. 2
+    values below the table."""
+    rungs = [(results['tokens_per_backbone_param'], _losses(results['runs']))]
+    rungs += [(r['tokens_per_backbone_param'], _losses(r['runs'])) for r in (results.get('rungs') or {}).values()]
+    schemes = [s for s in families.MINI_SCHEMES if any(s == key[0] for _, loss in rungs for key in loss)]
+    lines = ["| tokens per parameter | difference | " + " | ".join(schemes) + " |", "|---" * (len(schemes) + 2) + "|"]
+
+    def cell(vals, ref=None):  # ref: Pre-LN's loss per seed, for the share (over the same seeds)
+        t = stats.t_test(vals)
+        if t['mean'] is None:
+            return '–'
+        ci = '' if t['lo'] is None else f" [{t['lo']:+.3f}, {t['hi']:+.3f}]"
+        share = '' if ref is None else \
+            f", {100 * t['mean'] / _mean([r for v, r in zip(vals, ref) if v is not None]):+.1f}%"
+        return f"{t['mean']:+.3f}{ci} ({t['n']}){share}"
+    for tpp, loss in rungs:
+        if not loss:
+            continue
+        seeds = sorted({k for (_, _, k) in loss})
+        Ls = sorted({L for (_, L, _) in loss})
+        for L1, L2 in zip(Ls, Ls[1:]):
+            lines.append(f"| {tpp:g} | depth cost, L {L1} → {L2} | " + " | ".join(
+                cell([_minus(loss.get((s, L2, k)), loss.get((s, L1, k))) for k in seeds]) for s in schemes) + " |")
+        for L in Ls:
+            ref = [loss.get(('preln', L, k)) for k in seeds]
+            lines.append(f"| {tpp:g} | minus Pre-LN at L = {L} (share of its loss) | " + " | ".join(
+                '–' if s == 'preln' else cell([_minus(loss.get((s, L, k)), loss.get(('preln', L, k))) for k in seeds], ref)
+                for s in schemes) + " |")
+    P = PAPER
+    lines += ["", "The paper (Fig. 2, 400M parameters, ≈20 tokens per parameter, nats per GPT-2 token): depth cost "
+              "L 16 → 32 " + ", ".join(f"{NAMES[s]} {P['loss_L32'][s] - P['loss_L16'][s]:+.3f}" for s in NAMES)
+              + "; minus Pre-LN " + "; ".join(
+                  f"at L = {L} " + ", ".join(f"{NAMES[s]} {P[f'loss_L{L}'][s] - P[f'loss_L{L}']['preln']:+.3f} "
+                                           f"({100 * (P[f'loss_L{L}'][s] / P[f'loss_L{L}']['preln'] - 1):+.1f}%)"
+                                           for s in ('attnres', 'hc')) for L in (16, 32))
+              + "; Block AttnRes's and mHC's curves are flat or non-monotone."]
+    return "\n".join(lines)
+
+
+def format_ladder(results):
+    """Each further rung's findings table and verdicts (a Holm family of its own)."""
+    out = []
+    for tpp, rows in ladder(results).items():
+        if not rows:
+            continue
+        out += [f"**{tpp:g} tokens per backbone parameter** (the rows stated before its runs):", "",
+                format_findings(rows), "", format_verdicts(rows), ""]
+    return "\n".join(out).rstrip() or "- no further rung has results yet"
 
 
 def doc_blocks(results):
@@ -611,7 +832,9 @@ def doc_blocks(results):
     rows = findings(results)
     return {'seeds': format_seeds(results), 'loss': format_loss(results), 'confounds': format_confounds(results),
             'findings': format_findings(rows), 'verdicts': format_verdicts(rows),
-            'probes': format_probes(results), 'timing': format_timing(results)}
+            'probes': format_probes(results), 'timing': format_timing(results),
+            'differences': format_differences(results), 'ladder_loss': format_ladder_loss(results),
+            'ladder': format_ladder(results)}
 
 
 def render_doc(text, results):
@@ -626,156 +849,54 @@ def render_doc(text, results):
     return text
 
 
-# -----------------------------------------------------------------------------
-# figures
-
-def _t_interval(vals):
-    """(mean, half-width of the 95% Student interval, n) of a list; half-width None below 2 values."""
-    t = t_test(vals)
-    return t['mean'], (None if t['hi'] is None else t['hi'] - t['mean']), t['n']
-
-
-def plot_loss(results, rows, path):
-    """
-    Two panels. Left: validation loss against depth L (log axis) per scheme, the mean over
-    seeds with its 95% t-interval (unpaired: the spread of single runs) and a dot per seed.
-    Right: the paired loss findings (rows: findings()'s), mean with its 95% t-interval, and
-    the paper's effect scaled to this loss (x) where it has one. Writes a PNG to path.
-    """
-    from study.results import _plt
-    plt = _plt()
-    done = _finished(results)
-    if not done:
-        return
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw=dict(width_ratios=(1, 1.25)))
-    schemes = [s for s in families.MINI_SCHEMES if any(r['scheme'] == s for r in done)]
-    for j, s in enumerate(schemes):
-        Ls = sorted({r['L'] for r in done if r['scheme'] == s})
-        shift = 2 ** (0.04 * (j - (len(schemes) - 1) / 2))  # a small offset per scheme: bars stay apart
-        pts = []
-        for L in Ls:
-            vals = [r['val_loss'] for r in done if r['scheme'] == s and r['L'] == L]
-            m, h, n = _t_interval(vals)
-            pts.append((L * shift, m, h, n))
-            ax.plot([L * shift] * n, vals, '.', color=_scheme_color(s), ms=3, alpha=0.5)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], '-', color=_scheme_color(s), label=s)
-        for x, m, h, n in pts:
-            ax.errorbar(x, m, yerr=h, fmt='o', color=_scheme_color(s), capsize=3)
-            ax.annotate(f"{n}", (x, m), textcoords='offset points', xytext=(4, -9), fontsize=6, color=_scheme_color(s))
-    ax.set_xscale('log', base=2)
-    Ls = sorted({r['L'] for r in done})
-    first = {L: next(r for r in done if r['L'] == L) for L in Ls}
-    ax.set_xticks(Ls, [f"L = {L}\nd = {first[L]['d']}\nd/L = {first[L]['ratio']:.0f}" for L in Ls], fontsize=7)
-    ax.minorticks_off()
-    ax.set_xlabel('depth L (log scale, base 2); the backbone grows with L (title)')
-    ax.set_ylabel('validation loss (nats / byte)')
-    ax.set_title('loss per run shape: mean over seeds, bars = 95% t-interval\n'
-                 '(unpaired), dots = single seeds, small numbers = seeds', fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    loss_rows = [r for r in rows if r['statistic'].startswith(('loss', 'depth cost'))]
-    marked = [i for i, r in enumerate(loss_rows) if r['paper_effect'] is not None]
-    for i, r in enumerate(loss_rows):
-        y = len(loss_rows) - 1 - i
-        if r['mean'] is not None:
-            h = None if r['hi'] is None else r['hi'] - r['mean']
-            bx.errorbar(r['mean'], y, xerr=h, fmt='o', color='k', capsize=3)
-        if r['paper_effect'] is not None:  # one legend entry, on the first marked row
-            bx.plot(r['paper_effect'], y, 'x', color='C3', ms=8, mew=2,
-                    label="the paper's effect scaled to this loss" if i == marked[0] else None)
-    bx.axvline(0, color='gray', lw=0.8)
-    bx.set_yticks(range(len(loss_rows)), [_fill(f"{r['finding']} (n = {r['n']})", 52)
-                                          for r in reversed(loss_rows)], fontsize=6.5)
-    bx.set_xlabel('paired difference in validation loss (nats / byte); < 0: lower loss')
-    bx.set_title('paired loss findings: mean over seeds, bars = 95% t-interval\n(per row, before Holm\'s correction)', fontsize=9)
-    bx.grid(axis='x', alpha=0.3)
-    if marked:
-        bx.legend(fontsize=7, loc='lower right')
-    sizes = sorted({(r['L'], r['backbone'], r['total']) for r in done})
-    fig.suptitle(f"mini-DepthBench: byte-level text, {results['tokens_per_backbone_param']:g} tokens per backbone "
-                 f"parameter; backbone {sizes[0][1] / 1e6:.2f}-{sizes[-1][1] / 1e6:.2f}M, Pre-LN total "
-                 f"{sizes[0][2] / 1e6:.2f}-{sizes[-1][2] / 1e6:.2f}M parameters across L", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _fill(text, width):
-    import textwrap
-    return textwrap.fill(text, width)
-
-
-def plot_probes(results, rows, path):
-    """
-    Top: the deepest models' probe numbers per scheme, bars = mean over seeds with its 95%
-    t-interval (unpaired), dots = seeds. Bottom: the paired probe findings (rows:
-    findings()'s) against Pre-LN, mean with its 95% t-interval. No paper marks: the paper
-    measures 400M models at L = 32 (erank across its shapes), not comparable to these models.
-    """
-    from study.results import _plt
-    plt = _plt()
-    pr = results['probes']
-    L = results['deepest']
-    panels = [('R_causal', f'late pairs with causal score > 0.45\n(of {late_pairs(L)} at L = {L})',
-               'share of late pairs'),
-              ('R_perm', f'late pairs with permutation score > 0.15\n(of {late_pairs(L)} at L = {L})',
-               'share of late pairs'),
-              ('prune_late', 'drop one late block\n(mean over blocks l >= L/4)', 'held-out loss added (nats / byte)'),
-              ('erank', 'effective rank of the composed residual map\n(at most m = 4; 4 = identity init)',
-               'effective rank')]
-    fig = plt.figure(figsize=(17, 8.6), layout='constrained')
-    top, bottom = fig.subfigures(2, 1, height_ratios=(1, 0.85))
-    axd = dict(zip('0123', top.subplots(1, 4)))
-    axd.update(zip('RP', bottom.subplots(1, 2)))
-    for j, (key, title, ylabel) in enumerate(panels):
-        ax = axd[str(j)]
-        schemes = [s for s in families.MINI_SCHEMES if any(v.get(key) is not None for v in pr.get(s, {}).values())]
-        for i, s in enumerate(schemes):
-            vals = [v[key] for v in pr[s].values() if v.get(key) is not None]
-            m, h, n = _t_interval(vals)
-            ax.bar(i, m, color=_scheme_color(s), alpha=0.7, yerr=h or 0, capsize=4)
-            ax.plot([i] * n, vals, 'k.', ms=4)
-        if key.startswith('R_'):
-            ax.set_ylim(0, 1)  # a share; an interval reaching past [0, 1] is cut at the frame
-        ax.set_xticks(range(len(schemes)), [f"{s}\n(n = {len(pr[s])})" for s in schemes], fontsize=7, rotation=30)
-        ax.set_title(title, fontsize=8.5)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.grid(axis='y', alpha=0.3)
-    for name, pick, xlabel in (('R', lambda r: r['statistic'].startswith('R_'),
-                                'paired difference in the share of late pairs (scheme minus Pre-LN)'),
-                               ('P', lambda r: r['statistic'].startswith('held-out'),
-                                'paired difference in held-out loss added (nats / byte; scheme minus Pre-LN)')):
-        ax = axd[name]
-        mine = [r for r in rows if pick(r)]
-        for i, r in enumerate(mine):
-            y = len(mine) - 1 - i
-            if r['mean'] is not None:
-                ax.errorbar(r['mean'], y, xerr=None if r['hi'] is None else r['hi'] - r['mean'], fmt='o', color='k',
-                            capsize=3)
-        ax.axvline(0, color='gray', lw=0.8)
-        ax.set_ylim(-0.6, len(mine) - 0.4)
-        ax.set_yticks(range(len(mine)), [_fill(f"{r['finding']} (n = {r['n']})", 48) for r in reversed(mine)],
-                      fontsize=7)
-        ax.set_xlabel(xlabel, fontsize=8)
-        ax.set_title('paired findings: mean over seeds, bars = 95% t-interval', fontsize=8.5)
-        ax.grid(axis='x', alpha=0.3)
-    fig.suptitle(f"mini-DepthBench probes of the L = {L} models. Top: mean over seeds with its 95% t-interval "
-                 f"(unpaired), dots = single seeds. Bottom: the paired findings", fontsize=9)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def ladder_points(results):
+    """The ladder figure's data: {panel title: {scheme: [(tokens per parameter, per-seed values,
+    the paper's effect as a fraction of loss, in nats per byte)]}} for each scheme's gap to
+    Pre-LN at L = DEEPEST and Pre-LN's depth cost L = 4 -> 8, over the seeds every rung has
+    (paired across rungs). Empty panels when no further rung has a finished run."""
+    rungs = [(results['tokens_per_backbone_param'], _losses(results['runs']))]
+    rungs += [(r['tokens_per_backbone_param'], _losses(r['runs'])) for r in (results.get('rungs') or {}).values()]
+    rungs = [(t, loss) for t, loss in rungs if loss]
+    L1, L2 = CONTRAST
+    gap_title = f"gap to Pre-LN at L = {L2} (scheme minus Pre-LN; paper L = 32)"
+    cost_title = f"Pre-LN's depth cost, L = {L1} -> {L2} (paper L = 16 -> 32)"
+    out = {gap_title: {}, cost_title: {}}
+    if len(rungs) < 2:
+        return out
+    seeds = sorted(set.intersection(*({k for (_, _, k) in loss} for _, loss in rungs)))
+    P = PAPER
+    for tpp, loss in sorted(rungs):
+        def pre(L):
+            return _mean([loss.get(('preln', L, k)) for k in seeds])
+        for s in ('attnres', 'hc'):
+            here = paper_here(P['loss_L32'][s] - P['loss_L32']['preln'], P['loss_L32']['preln'], pre(L2))
+            vals = [_minus(loss.get((s, L2, k)), loss.get(('preln', L2, k))) for k in seeds]
+            out[gap_title].setdefault(s, []).append((tpp, vals, here['F'], here['B']))
+        here = paper_here(P['loss_L32']['preln'] - P['loss_L16']['preln'], P['loss_L16']['preln'], pre(L1))
+        vals = [_minus(loss.get(('preln', L2, k)), loss.get(('preln', L1, k))) for k in seeds]
+        out[cost_title].setdefault('preln', []).append((tpp, vals, here['F'], here['B']))
+    return out
 
 
 def report(results, out_dir, wrote=()):
-    """Prints the loss, findings and probe tables, writes the figures into out_dir, then one
-    'wrote' line for each file of `wrote` (written before) and each figure."""
+    """Prints the loss, findings and probe tables and each further rung's, writes the figures
+    into out_dir, then one 'wrote' line for each file of `wrote` (written before) and each
+    figure."""
+    from study import mini_plots
     os.makedirs(out_dir, exist_ok=True)
     rows = findings(results)
-    for text in (format_loss(results), format_findings(rows), format_verdicts(rows), format_probes(results)):
+    for text in (format_loss(results), format_findings(rows), format_verdicts(rows), format_probes(results),
+                 format_ladder_loss(results), format_ladder(results)):
         print(text + "\n")
-    figures = [os.path.join(out_dir, 'loss_vs_ratio.png'), os.path.join(out_dir, 'probes.png')]
-    plot_loss(results, rows, figures[0])
+    figures = [os.path.join(out_dir, name) for name in ('loss_vs_ratio.png', 'probes.png', 'ladder.png')]
+    mini_plots.plot_loss(results, rows, figures[0])
     if results['probes']:
-        plot_probes(results, rows, figures[1])
+        mini_plots.plot_probes(results, rows, figures[1], late_pairs(results['deepest']))
+    points = ladder_points(results)
+    seeds = {len(stats.values(v)) for panel in points.values() for pts in panel.values() for _, v, _, _ in pts}
+    mini_plots.plot_ladder(points, figures[2], "mini-DepthBench's training-length ladder: ≈0.8M-parameter backbone, "
+                           f"byte-level text; the seeds both rungs have ({', '.join(map(str, sorted(seeds)))} per point), "
+                           "paired across rungs")
     for p in [*wrote, *figures]:
         if os.path.exists(p):
             print(f"wrote {p}")
@@ -797,6 +918,9 @@ def main(argv=None):
                    help=f"seed indices 0..N-1 to collect and probe; every planned seed is always collected ({N_SEEDS})")
     p.add_argument('--train', action='store_true', help="first train and probe the planned runs (PLAN) that "
                                                           "are not finished, seed by seed")
+    p.add_argument('--rung', default=None, help="with --train: the rung of the training-length ladder, in tokens "
+                                                "per backbone parameter (2.5, the first, by default; "
+                                                f"{', '.join(f'{t:g}' for t in families.MINI_RUNGS)})")
     p.add_argument('--seed', default=None, help="with --train: only these seed indices, e.g. 3,5,7")
     p.add_argument('--schemes', default=None, help="with --train: only these schemes, e.g. preln,hc")
     p.add_argument('--shapes', default=None, help="with --train: only these depths L, e.g. 4,8")
@@ -813,10 +937,18 @@ def main(argv=None):
             return 2
         a.out = a.out or os.path.join('out', 'mini')  # the committed figures stay as they are
     else:
-        if not a.train and (a.seed or a.schemes or a.shapes):
-            print("error: --seed, --schemes and --shapes choose runs to train: use them with --train", file=sys.stderr)
+        if not a.train and (a.seed or a.schemes or a.shapes or a.rung):
+            print("error: --rung, --seed, --schemes and --shapes choose runs to train: use them with --train",
+                  file=sys.stderr)
             return 2
         if a.train:
+            try:
+                tpp = None if a.rung is None else float(a.rung)
+                rung_family(tpp)
+            except ValueError as e:
+                print(f"error: --rung={a.rung}: {e if 'rung' in str(e) else 'give tokens per parameter, e.g. 5'}",
+                      file=sys.stderr)
+                return 2
             try:
                 pick = [None if x is None else [y.strip() for y in x.split(',') if y.strip()]
                         for x in (a.seed, a.schemes, a.shapes)]
@@ -825,12 +957,15 @@ def main(argv=None):
                 print("error: --seed and --shapes take comma-separated integers, e.g. --seed=3,5 --shapes=4,8",
                       file=sys.stderr)
                 return 2
-            if not planned(seeds, pick[1], shapes):
+            if not planned(seeds, pick[1], shapes, tpp):
                 asked = ', '.join(f"{n} {v}" for n, v in (('seed', a.seed), ('scheme', a.schemes), ('L', a.shapes)) if v)
-                print(f"error: no planned run has {asked} (PLAN in study/mini.py: seeds 0-{N_SEEDS - 1}, schemes "
-                      f"{', '.join(families.MINI_SCHEMES)}, L {', '.join(map(str, families.MINI_DEPTHS))})", file=sys.stderr)
+                plan = planned(tpp=tpp)
+                print(f"error: no planned run at {families.MINI_TOKENS_PER_PARAM if tpp is None else tpp:g} tokens per parameter "
+                      f"has {asked} (study/mini.py: seeds {_seed_list({k for k, _, _ in plan})}, schemes "
+                      f"{', '.join(dict.fromkeys(s for _, s, _ in plan))}, L {', '.join(map(str, sorted({L for _, _, L in plan})))})",
+                      file=sys.stderr)
                 return 2
-            failures = train(seeds, pick[1], shapes, a.probe)
+            failures = train(seeds, pick[1], shapes, a.probe, tpp=tpp)
         elif a.probe:
             failures = probe_missing(ROOT, a.seeds)
         results = collect(ROOT, a.seeds)

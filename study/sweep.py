@@ -15,7 +15,8 @@ another, then collect the results and plot validation loss against shape.
   - out_dir/summary.json says finished  -> skipped;
   - out_dir/ckpt.pt exists               -> continued with --init_from=resume;
   - otherwise                            -> started.
-Each launch adds its wall time, the machine and the commit to out_dir/wall_time.json.
+Each launch adds its wall time, the machine and the commit to out_dir/wall_time.json (kept
+every minute while it runs: a launch killed without a word loses at most that).
 A run that fails (non-zero exit, or exit 0 without a finished summary.json) does
 not stop the sweep; failures are listed at the end and the exit status is 1.
 Output of train.py streams to the terminal. Paths (config/, out/) are relative to
@@ -68,6 +69,7 @@ import re  # noqa: E402
 import shlex  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import checkpoint  # noqa: E402
@@ -237,18 +239,56 @@ def code_version(root):
     return f"{commit}-dirty.{h.hexdigest()[:8]}"
 
 
-def record_wall_time(run, root, seconds, commit=None):
+HEARTBEAT_S = 60  # a launch's time so far is on disk every minute: a kill -9 or a restart loses at most this
+
+
+def record_wall_time(run, root, seconds, commit=None, launch=None, ongoing=False):
     """Adds `seconds` of this launch of a run to out_dir/wall_time.json ({'wall_s', 'launches',
     'machine', 'commits'}): a resumed run sums its launches, and 'commits' lists each code
-    version (code_version at launch) that trained it, so a run resumed on other code says so."""
+    version (code_version at launch) that trained it, so a run resumed on other code says so.
+    ongoing: the launch `launch` (its start time) still runs: its time so far is kept as 'open'
+    instead (the heartbeat). An 'open' of another launch never closed (the sweep killed without
+    a word) is added to the totals and counted in 'killed_launches': their wall time is short
+    by at most HEARTBEAT_S each."""
     path = os.path.join(root, run.out_dir, 'wall_time.json')
     if not os.path.isdir(os.path.dirname(path)):
         return
     had = _read_json(path) or {}
     commits = [c for c in had.get('commits') or [] if isinstance(c, str)]
-    rec = {'wall_s': round(float(had.get('wall_s') or 0) + seconds, 1), 'launches': int(had.get('launches') or 0) + 1,
-           'machine': machine(), 'commits': commits + [commit] if commit and commit not in commits else commits}
+    wall, launches = float(had.get('wall_s') or 0), int(had.get('launches') or 0)
+    killed = int(had.get('killed_launches') or 0)
+    stale = had.get('open')
+    if isinstance(stale, dict) and stale.get('launch') != launch:  # a launch that ended unrecorded
+        wall, launches, killed = wall + float(stale.get('wall_s') or 0), launches + 1, killed + 1
+    if commit and commit not in commits:
+        commits.append(commit)
+    rec = {'wall_s': round(wall + (0 if ongoing else seconds), 1), 'launches': launches + (0 if ongoing else 1),
+           'machine': machine(), 'commits': commits}
+    if killed:
+        rec['killed_launches'] = killed
+    if ongoing:
+        rec['open'] = {'launch': launch, 'wall_s': round(seconds, 1)}
     checkpoint.write_json(path, rec)
+
+
+def timed(run, root, cmd, commit):
+    """run_command(cmd, root) with its wall time recorded: at the start, every HEARTBEAT_S while
+    train.py runs, and at the end however it ends (record_wall_time). Returns the exit status."""
+    t0, stop = time.time(), threading.Event()
+
+    def beat():
+        while True:
+            record_wall_time(run, root, time.time() - t0, commit, launch=t0, ongoing=True)
+            if stop.wait(HEARTBEAT_S):
+                return
+    heart = threading.Thread(target=beat, daemon=True)
+    heart.start()
+    try:
+        return run_command(cmd, root)
+    finally:
+        stop.set()
+        heart.join()
+        record_wall_time(run, root, time.time() - t0, commit, launch=t0)
 
 
 def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_node=None, nnodes=1, root=None,
@@ -312,9 +352,7 @@ def sweep(family, schemes=None, shapes=None, extra=(), run='local', nproc_per_no
         print(f"=== {head}: {'resuming' if status == 'interrupted' else 'starting'}\n$ {format_command(cmd)}", flush=True)
         _running['run'] = (r, root)
         _state['phase'] = 'training'
-        commit, t0 = code_version(root), time.time()
-        rc = run_command(cmd, root)
-        record_wall_time(r, root, time.time() - t0, commit)
+        rc = timed(r, root, cmd, code_version(root))
         if rc != 0:
             failures.append((r.name, f"exit status {rc}"))
         elif run_status(r, root) != 'finished':

@@ -145,3 +145,24 @@ def test_nothing_of_a_step_is_kept_after_it(residual):
     state = dr._STATE[model.residual]
     assert len(groups) >= 4 and not any(r() for r in groups)
     assert state['open'] is None and not state['bank'].entries
+
+
+@pytest.mark.parametrize('residual, blocks, want', [
+    ('attnres', 8, [(1, 8), (9, 16)]),                                  # G_MAX = 8 reads a group
+    ('blockattnres', 2, [(1, 7), (8, 15), (16, 16)]),                   # blocks of 8: boundaries at reads 8, 16
+    ('blockattnres', 4, [(1, 3), (4, 7), (8, 11), (12, 15), (16, 16)]),  # blocks of 4: at 4, 8, 12, 16
+    ('blockattnres', 16, [(1, 8), (9, 16)])])                           # blocks of 1 sublayer: Full AttnRes
+def test_groups_end_before_a_block_boundary(residual, blocks, want):
+    """Bug caught: a group across a Block AttnRes boundary (P frozen as a source inside it: the
+    group is dropped there and its later reads scored again, right but twice the traffic). The
+    reads 1 .. 2L = 16 of L = 8, walked group by group; the spans worked by hand from
+    boundary(k) = k % S == 0 and G_MAX = 8."""
+    cfg = GPTConfig(n_layer=8, n_embd=32, n_head=2, block_size=16, vocab_size=64, residual=residual,
+                    attnres_blocks=blocks)
+    res = GPT(cfg).residual
+    order, k, spans = dr.read_order(res), 1, []
+    while k <= len(order):
+        group = dr.plan(res, order[k - 1], k)
+        spans.append((k, k + len(group) - 1))
+        k += len(group)
+    assert dr.G_MAX == 8 and spans == want

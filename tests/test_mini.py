@@ -1,7 +1,7 @@
 """
-Mini-DepthBench's statistics and report (study/mini.py): paired means and their errors,
-the verdict rule, the findings taken from the runs and probes of each seed, and the
-committed results that docs/mini.md quotes.
+Mini-DepthBench's report (study/mini.py): the findings taken from the runs and probes of
+each seed at every rung of the training-length ladder, the plan, the collected results and
+the committed results that docs/mini.md quotes (tests/test_mini_stats.py: the statistics).
 Run: python -m pytest tests/test_mini.py -q
 """
 
@@ -16,76 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from study import families, mini, results, sweep  # noqa: E402
+from study import families, mini, results, stats, sweep  # noqa: E402
 
 COMMITTED = ROOT / mini.RESULTS
-
-
-def test_paired_mean_and_standard_error_by_hand():
-    m, se, n = mini.paired([1.0, 2.0, 3.0, None, float('nan')])  # missing seeds are dropped
-    assert (m, n) == (2.0, 3)
-    assert se == pytest.approx(1.0 / math.sqrt(3))  # sample sd 1, over sqrt(n)
-    assert mini.paired([0.5]) == (0.5, None, 1)     # one seed: no error, so nothing is resolved
-    assert mini.paired([None]) == (None, None, 0)
-
-
-def test_t_test_on_a_hand_worked_sample_where_two_standard_errors_are_not_enough():
-    # [1, 3, 5]: mean 3, sample sd 2, s.e. 2 / sqrt(3), t = 3 sqrt(3) / 2 = 2.598 > 2, yet with
-    # 2 degrees of freedom the two-sided p is 1 - t / sqrt(t^2 + 2) (Student's t CDF for df = 2,
-    # in closed form) = 0.1217 > 0.05, and the 95% interval is mean ± 4.3027 s.e.
-    t = mini.t_test([1.0, 3.0, 5.0])
-    se = 2 / math.sqrt(3)
-    assert t['se'] == pytest.approx(se) and t['t'] == pytest.approx(3 * math.sqrt(3) / 2)
-    assert abs(t['mean']) > 2 * t['se']
-    assert t['p'] == pytest.approx(1 - t['t'] / math.sqrt(t['t'] ** 2 + 2), rel=1e-9)
-    assert t['p'] == pytest.approx(0.1217, abs=1e-4)
-    assert (t['lo'], t['hi']) == (pytest.approx(3 - 4.302653 * se, rel=1e-6), pytest.approx(3 + 4.302653 * se, rel=1e-6))
-    row = dict(t, p_holm=t['p'])
-    assert mini.verdict(row, t['p'], None, +1) == 'not resolved at this scale'
-
-
-def test_t_test_with_the_sample_not_the_population_standard_deviation():
-    # [0, 1, 2, 3, 4, 5, 6, 11]: mean 4, sum of squares 84, sample sd sqrt(84 / 7) = sqrt(12), so
-    # t = 4 / sqrt(1.5) = 3.266 and p (7 df) = 0.01375; a population sd (/ n) gives t = 3.491,
-    # p = 0.0101, and 8 degrees of freedom p = 0.0114, both below the 0.0125 Holm needs of the
-    # smallest of four p-values
-    t = mini.t_test([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 11.0])
-    assert t['t'] == pytest.approx(4 / math.sqrt(1.5)) and t['p'] == pytest.approx(0.01375, abs=1e-5)
-    adj, rejected = mini.holm([t['p'], 0.5, 0.6, 0.7])
-    assert adj[0] == pytest.approx(4 * t['p']) and not rejected[0]
-
-
-def test_an_all_equal_sample_does_not_pass():
-    # every seed the same: s.e. 0, so t is undefined; it must not count as infinitely significant
-    t = mini.t_test([0.5, 0.5, 0.5])
-    assert (t['mean'], t['se'], t['n']) == (0.5, 0.0, 3)
-    assert t['p'] is None and t['lo'] is None
-    assert mini.verdict(t, None, 0.1, +1) == 'not resolved at this scale'
-    assert mini.t_test([0.5])['p'] is None                            # one seed: no test either
-
-
-def test_holm_on_a_hand_worked_list():
-    # sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> 0.06 (monotone)
-    adj, rejected = mini.holm([0.01, 0.04, 0.03, 0.005, None])
-    assert adj[:4] == [pytest.approx(0.03), pytest.approx(0.06), pytest.approx(0.06), pytest.approx(0.02)]
-    assert rejected == [True, False, False, True, False] and adj[4] is None
-    # uncorrected, 0.03 and 0.04 would pass; Bonferroni (x 4) would put 0.01 at 0.04 and 0.03 at 0.12
-    assert mini.holm([0.2, 0.9]) == ([pytest.approx(0.4), pytest.approx(0.9)], [False, False])
-
-
-@pytest.mark.parametrize('values, p_adj, effect, sign, want', [
-    ([0.10, 0.11, 0.12], 0.001, 0.05, +1, 'reproduces'),
-    ([-0.10, -0.11, -0.12], 0.001, -0.05, -1, 'reproduces'),
-    ([-0.10, -0.11, -0.12], 0.001, 0.05, +1, 'opposite'),
-    ([0.10, 0.11, 0.12], 0.001, None, 0, 'differs from the paper'),
-    ([0.10, 0.11, 0.12], 0.2, 0.05, +1, 'not resolved at this scale'),      # Holm holds it back
-    ([0.001, -0.001, 0.002, 0.0], 0.5, 0.015, +1, "bounded below the paper's size"),  # 95% CI < 0.015
-    ([0.001, -0.001, 0.002, 0.0], 0.5, -0.015, -1, "bounded below the paper's size"),
-    ([0.001, -0.001, 0.002, 0.0], 0.5, None, +1, 'not resolved at this scale'),  # no size to bound
-    ([0.01, -0.01, 0.02, 0.0], 0.5, 0.015, +1, 'not resolved at this scale'),   # the CI reaches 0.015
-])
-def test_verdict(values, p_adj, effect, sign, want):
-    assert mini.verdict(mini.t_test(values), p_adj, effect, sign) == want
 
 
 def _row(scheme, L, seed, loss):
@@ -110,10 +43,16 @@ def test_findings_pair_the_depth_cost_by_seed_and_correct_for_the_rows():
     assert [r['finding'] for r in rows if r['p'] is not None] == [pre['finding'],
         'Full AttnRes turns depth into lower loss than Pre-LN (L 4 -> 8)',
         'Full AttnRes below Pre-LN at the deepest shape (L 8; paper 32)']
-    assert pre['p_holm'] == pytest.approx(pre['p']) and pre['verdict'] == 'reproduces'
-    assert pre['paper_effect'] == pytest.approx(0.023 / 2.759 * 2.1)        # scaled by Pre-LN's loss at L 4
+    assert pre['here']['F'] == pytest.approx(0.023 / 2.759 * 2.1)          # scaled by Pre-LN's loss at L 4
+    assert pre['here']['B'] == pytest.approx(0.023 * 653_670 / 3_094_132)   # nats per token over bytes per token
+    # the 95% interval 0.03 ± 4.303 s.e. = [0.0052, 0.0548] holds +0.0175 (F) but lies above +0.0049 (B):
+    # significant in the paper's direction, yet the scalings disagree on the size, so not "reproduces"
+    assert pre['lo'] == pytest.approx(0.03 - 4.302653 * 0.01 / math.sqrt(3))
+    assert pre['sizes'] == {'F': 'matched', 'B': 'larger'} and pre['size'] == 'scalings disagree'
+    assert pre['p_holm'] == pytest.approx(pre['p']) and pre['verdict'] == stats.SIZE_UNSETTLED
+    assert pre['holm_level'] == pytest.approx(0.05) and pre['family_size'] == 3
     att = by['Full AttnRes turns depth into lower loss than Pre-LN (L 4 -> 8)']
-    assert att['mean'] == pytest.approx(-0.06) and att['verdict'] == 'reproduces'   # -0.03 - (0.02 + 0.01 k)
+    assert att['mean'] == pytest.approx(-0.06) and att['verdict'] == stats.SIZE_UNSETTLED  # -0.03 - (0.02 + 0.01 k)
     assert att['p_holm'] == pytest.approx(2 * att['p'])
     deep = by['Full AttnRes below Pre-LN at the deepest shape (L 8; paper 32)']
     assert deep['mean'] == pytest.approx(-0.15 - 0.01) and deep['n'] == 3
@@ -128,7 +67,7 @@ def test_findings_pair_the_depth_cost_by_seed_and_correct_for_the_rows():
     hc = by['HC turns depth into lower loss than Pre-LN (L 4 -> 8)']
     assert pre['p'] < 0.05 and hc['p'] == pytest.approx(pre['p'])
     assert pre['p_holm'] == pytest.approx(3 * pre['p']) and pre['p_holm'] > 0.05
-    assert pre['verdict'] == hc['verdict'] == 'not resolved at this scale'
+    assert pre['verdict'] == hc['verdict'] == stats.NOT_RESOLVED
 
 
 def test_findings_from_probes_are_paired_by_seed():
@@ -196,7 +135,8 @@ def test_docs_are_generated_from_the_committed_results():
 
 def test_render_doc_names_a_missing_block():
     with pytest.raises(ValueError, match='begin loss'):
-        mini.render_doc("<!-- begin seeds -->\n<!-- end seeds -->\n", {'runs': [], 'probes': {}, 'deepest': 8})
+        mini.render_doc("<!-- begin seeds -->\n<!-- end seeds -->\n", {'runs': [], 'probes': {}, 'deepest': 8,
+                                                                        'tokens_per_backbone_param': 2.5})
 
 
 def test_the_plan_and_its_splits():
@@ -303,7 +243,7 @@ def test_results_flag_draws_into_out_not_over_the_committed_figures(tmp_path, mo
 
 def test_train_goes_seed_by_seed_deepest_first_and_probes_each_deep_model(monkeypatch):
     calls = []
-    monkeypatch.setattr(mini, 'train_run', lambda k, s, L, root: calls.append((k, [s], [L])) or [])
+    monkeypatch.setattr(mini, 'train_run', lambda k, s, L, root, family: calls.append((k, [s], [L])) or [])
     monkeypatch.setattr(mini, 'probe_missing', lambda root, n, only: calls.append(('probe', only)) or [])
     assert mini.train(seeds={4, 3}, schemes=['preln', 'hc']) == []
     assert calls == [(3, ['preln'], [8]), ('probe', {3}), (3, ['hc'], [8]), ('probe', {3}),
@@ -319,7 +259,13 @@ def test_seeds_below_one_are_refused_before_anything_is_written(capsys):
 
 
 @pytest.mark.parametrize('args, message', [(['--train', '--seed=x'], 'comma-separated integers'),
-                                            (['--train', '--seed=4', '--schemes=mhc'], 'no planned run has seed 4, scheme mhc'),
+                                            (['--train', '--seed=4', '--schemes=mhc'],
+                                             'no planned run at 2.5 tokens per parameter has seed 4, scheme mhc'),
+                                            (['--train', '--rung=5', '--seed=6'],
+                                             'no planned run at 5 tokens per parameter has seed 6'),
+                                            (['--train', '--rung=10'], 'no rung at 10 tokens per parameter; the ladder has 2.5, 5'),
+                                            (['--train', '--rung=five'], '--rung=five: give tokens per parameter'),
+                                            (['--rung=5'], 'use them with --train'),
                                             (['--shapes=4'], 'use them with --train')])
 def test_a_bad_training_choice_is_one_line(capsys, args, message):
     assert mini.main(args) == 2
@@ -330,9 +276,21 @@ def test_a_bad_training_choice_is_one_line(capsys, args, message):
 def test_a_planned_run_trains_through_the_sweep_command(monkeypatch):
     seen = []
     monkeypatch.setattr(mini, 'run_command', lambda cmd, cwd: seen.append(cmd) or 1)
-    assert mini.train_run(3, 'hc', 8, root='r') == [('hc_L8_seed3', 'study/sweep.py failed')]
+    assert mini.train_run(3, 'hc', 8, root='r') == [('mini/hc_L8_seed3', 'study/sweep.py failed')]
     assert seen[0][1:] == [os.path.join('study', 'sweep.py'), 'family=mini', 'schemes=hc', 'shapes=8',
                            'seed=3', 'seeds=4', 'probe=False']
+    assert mini.train_run(0, 'preln', 4, root='r', family='mini_tpp5') == [('mini_tpp5/preln_L4_seed0', 'study/sweep.py failed')]
+    assert seen[1][2:4] == ['family=mini_tpp5', 'schemes=preln']
+
+
+def test_a_rung_trains_its_own_plan_without_probes(monkeypatch):
+    calls = []
+    monkeypatch.setattr(mini, 'train_run', lambda k, s, L, root, family: calls.append((k, s, L, family)) or [])
+    monkeypatch.setattr(mini, 'probe_missing', lambda *a, **kw: pytest.fail('a further rung has no probe rows'))
+    assert mini.train(seeds={5}, tpp=5.0) == []
+    assert calls == [(5, s, L, 'mini_tpp5') for L in (8, 4) for s in families.HEADLINE]
+    assert len(mini.planned(tpp=5.0)) == 36 and {k for k, _, _ in mini.planned(tpp=5.0)} == set(range(6))
+    assert mini.planned(tpp=2.5) == mini.planned()   # the first rung by its budget too
 
 
 def test_the_files_written_are_named_after_the_tables(tmp_path, monkeypatch, capsys):
@@ -371,3 +329,259 @@ def test_a_run_of_another_length_is_not_probed_and_warned_about_once(tmp_path, m
     mini.collect(str(tmp_path), seeds=6)
     err = capsys.readouterr().err
     assert 'mhc_L4_seed5 finished at max_iters=5, not the planned' in err
+
+
+def test_a_rung_of_the_ladder_is_the_first_rung_trained_longer():
+    # same shapes, data, batch and recipe; only the length (and the eval interval that follows it)
+    for tpp, family in families.MINI_RUNGS.items():
+        rung = families.runs(family)
+        assert {(r.scheme, r.L) for r in rung} == {(s, L) for s in families.HEADLINE for L in (4, 8)}
+        for r in rung:
+            first = next(iter(families.runs('mini', [r.scheme], [r.L])))
+            assert (r.d, r.backbone, r.total) == (first.d, first.backbone, first.total)
+            differ = {k for k in r.config if r.config[k] != first.config[k]}
+            assert differ == {'out_dir', 'max_iters', 'eval_interval'}
+            tokens = r.config['max_iters'] * 16 * 256
+            assert tokens / r.backbone == pytest.approx(tpp, abs=2 * 4096 / r.backbone)   # whole steps
+            assert r.out_dir == f"out/{family}/{r.name}" and r.config_path == f"config/{family}/{r.name}.py"
+    assert [r.config['max_iters'] for r in families.runs('mini_tpp5', ['preln'])] == [981, 1082]
+
+
+def test_bytes_per_token_of_the_sample_recomputed_with_the_gpt2_tokenizer():
+    # the conversion of the paper's nats per token into nats per byte: the sample's UTF-8 bytes and
+    # GPT-2 tokens, one end-of-text per document in each
+    import gzip
+    from data.tokenizer import get_tokenizer
+    tok = get_tokenizer('gpt2')
+    docs = [json.loads(line)['text'] for line in gzip.open(ROOT / 'data' / 'sample' / 'fineweb_edu_sample.jsonl.gz', 'rt')]
+    n_bytes = sum(len(d.encode('utf-8')) + 1 for d in docs)
+    n_tokens = sum(len(t) + 1 for t in tok.encode_batch(docs))
+    assert (n_bytes, n_tokens) == (3_094_132, 653_670)
+    assert mini.BYTES_PER_TOKEN == pytest.approx(n_bytes / n_tokens) == pytest.approx(4.733, abs=5e-4)
+
+
+def _holm_by_hand(ps):
+    """Holm written out afresh: sort, multiply by m - i, running maximum, cap at 1."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    out, top = {}, 0.0
+    for i, j in enumerate(order):
+        top = max(top, min(1.0, (len(ps) - i) * ps[j]))
+        out[j] = top
+    return [out[i] for i in range(len(ps))]
+
+
+@committed
+def test_every_committed_row_recomputed_independently():
+    # from results.json alone: the per-seed values, Student's t by its formula, Holm afresh, and the
+    # size and verdict rules as docs/mini.md states them
+    from scipy.stats import t as student
+    res = json.loads(COMMITTED.read_text())
+    loss = {(r['scheme'], r['L'], r['seed']): r['val_loss'] for r in res['runs'] if r['status'] == 'finished'}
+    pr = res['probes']
+    seeds = range(8)
+
+    def d(a, b):
+        return [a(k) - b(k) for k in seeds if a(k) is not None and b(k) is not None]
+    L = lambda s, n: lambda k: loss.get((s, n, k))                                   # noqa: E731
+    cost = lambda s, a, b: lambda k: None if L(s, a)(k) is None or L(s, b)(k) is None else L(s, b)(k) - L(s, a)(k)  # noqa: E731
+    probe = lambda s, key: lambda k: pr.get(s, {}).get(str(k), {}).get(key)         # noqa: E731
+    values = [d(cost('preln', 4, 8), lambda k: 0.0), d(cost('attnres', 4, 8), cost('preln', 4, 8)),
+              d(cost('hc', 4, 8), cost('preln', 4, 8)), d(cost('preln', 2, 4), lambda k: 0.0),
+              d(cost('attnres', 2, 4), cost('preln', 2, 4)), d(cost('hc', 2, 4), cost('preln', 2, 4)),
+              d(L('attnres', 8), L('preln', 8)), d(L('hc', 8), L('preln', 8))]
+    values += [d(probe(s, key), probe('preln', key)) for key in ('R_causal', 'R_perm') for s in ('attnres', 'hc')]
+    values += [d(probe(s, 'prune_late'), probe('preln', 'prune_late')) for s in ('attnres', 'hc')]
+    rows = [r for r in mini.findings(res) if r['p'] is not None]
+    assert len(rows) == len(values) == 14
+    ps = []
+    for r, v in zip(rows, values):
+        n, m = len(v), sum(v) / len(v)
+        se = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1) / n)
+        ps.append(2 * student.sf(abs(m / se), n - 1))
+        assert (r['n'], r['mean'], r['se'], r['p']) == (n, pytest.approx(m), pytest.approx(se), pytest.approx(ps[-1]))
+        q = student.ppf(0.975, n - 1)
+        assert (r['lo'], r['hi']) == (pytest.approx(m - q * se), pytest.approx(m + q * se))
+    for r, a in zip(rows, _holm_by_hand(ps)):
+        assert r['p_holm'] == pytest.approx(a)
+        sig = a <= 0.05
+        if r['here']:  # the two scalings, as docs/mini.md states them
+            ref = [loss.get(('preln', 8 if 'deepest' in r['finding'] else 2 if 'L 2 ->' in r['finding'] else 4, k))
+                   for k in seeds]
+            ref = sum(x for x in ref if x is not None) / sum(x is not None for x in ref)
+            paper = float(r['paper'])
+            F, B = paper / (2.782 if 'deepest' in r['finding'] else 2.759) * ref, paper / (3_094_132 / 653_670)
+            assert r['here'] == {'F': pytest.approx(F), 'B': pytest.approx(B)}
+            inside = [r['lo'] <= x <= r['hi'] for x in (F, B)]
+            beyond = [(r['hi'] < x) if x < 0 else (r['lo'] > x) for x in (F, B)]
+            with_sign = sig and (r['mean'] > 0) == (paper > 0)
+            want = ('reproduces' if all(inside) else 'same direction, size not matched'
+                    if not any(inside) and len(set(beyond)) == 1 else 'same direction, size unsettled') if with_sign \
+                else 'opposite' if sig else "bounded below the paper's size" \
+                if not any(inside) and not any(beyond) else 'not resolved at this scale'
+        else:
+            want = ('differs from the paper' if 'as much as' in r['finding'] else 'same direction, no size to compare') \
+                if sig else 'not resolved at this scale'
+        assert r['verdict'] == want, r['finding']
+
+
+def _rung(runs, tpp=5.0):
+    return {'5': {'family': 'mini_tpp5', 'tokens_per_backbone_param': tpp, 'runs': runs}}
+
+
+def test_a_rungs_rows_by_hand():
+    # first rung: Pre-LN 2.0 at L = 4 and 8 (seed offsets 0.01 k); HC 0.12 below it at L = 8, Full
+    # AttnRes 0.02 below, each with a per-seed wobble. Second rung: every loss 0.1 lower; HC's gap
+    # shrinks to 0.08 (+0.04, toward the paper's size under both scalings), Full AttnRes's grows by 0.01.
+    wob = [0.004, -0.003, 0.001, -0.002, 0.003, -0.003]
+    first, second = [], []
+    for k in range(6):
+        for L in (4, 8):
+            first.append(_row('preln', L, k, 2.0 + 0.01 * k))
+            second.append(_row('preln', L, k, 1.9 + 0.01 * k + (0.002 * wob[k] if L == 8 else 0)))
+        first += [_row('hc', 8, k, 1.88 + 0.01 * k + wob[k]), _row('attnres', 8, k, 1.98 + 0.01 * k - wob[k])]
+        second += [_row('hc', 8, k, 1.82 + 0.01 * k + 0.5 * wob[k]), _row('attnres', 8, k, 1.87 + 0.01 * k - 2 * wob[k])]
+    for k in (6, 7):  # seeds the second rung does not have: no part of its rows
+        first += [_row('preln', 8, k, 2.0), _row('hc', 8, k, 1.7), _row('attnres', 8, k, 2.1)]
+    res = {'runs': first, 'probes': {}, 'deepest': 8, 'tokens_per_backbone_param': 2.5, 'rungs': _rung(second)}
+    rows = mini.rung_findings(res, 5.0)
+    assert [r['finding'].split(',')[0] for r in rows] == [
+        'Pre-LN: extra depth costs loss (L 4 -> 8; paper 16 -> 32)', 'HC below Pre-LN at the deepest shape (L 8; paper 32)',
+        'Full AttnRes below Pre-LN at the deepest shape (L 8; paper 32)',
+        "HC's gap to Pre-LN at L 8: change from 2.5 to 5 tokens per parameter",
+        "Full AttnRes's gap to Pre-LN at L 8: change from 2.5 to 5 tokens per parameter"]
+    assert all(r['family_size'] == 5 for r in rows)                       # a Holm family of its own
+    cost, hc, att, dhc, datt = rows
+    assert cost['mean'] == pytest.approx(0.002 * sum(wob) / 6)
+    assert hc['mean'] == pytest.approx(-0.08 + 0.5 * sum(wob) / 6 - 0.002 * sum(wob) / 6)
+    assert hc['here']['F'] == pytest.approx(-0.083 / 2.782 * (1.9 + 0.025 + 0.002 * sum(wob) / 6))
+    assert hc['verdict'] == stats.SIZE_NOT_MATCHED and hc['sizes'] == {'F': 'larger', 'B': 'larger'}
+    assert dhc['mean'] == pytest.approx(0.04 - 0.5 * sum(wob) / 6 - 0.002 * sum(wob) / 6)
+    assert dhc['towards'] == [1, 1] and dhc['verdict'] == stats.TOWARD   # larger at 2.5: shrinking is toward
+    assert dhc['n'] == 6 and f"first rung, these seeds: {-0.12 + sum(wob) / 6:+.3f}" in dhc['note']
+    # Full AttnRes at 2.5: -0.02 against -0.040 (F) and -0.0135 (B): smaller under F, larger under B
+    assert datt['towards'] == [-1, 1] and datt['mean'] == pytest.approx(-0.01 - sum(wob) / 6)
+    assert datt['verdict'] in (stats.BY_SCALING, stats.NOT_RESOLVED)
+    assert datt['verdict'] == (stats.BY_SCALING if datt['p_holm'] <= 0.05 else stats.NOT_RESOLVED)
+    assert 'first rung, these seeds: -0.020' in datt['note'] and 'smaller (fraction of loss)' in datt['note']
+    # the first rung's own table is untouched by the rung (its family stays as stated)
+    assert [r['finding'] for r in mini.findings(res)] == [r['finding'] for r in mini.findings(dict(res, rungs={}))]
+    assert mini.rung_findings(dict(res, rungs=_rung([])), 5.0) == [] and mini.ladder(dict(res, rungs={})) == {}
+    # five of the six seeds stated: the same numbers, no test (HC's row passed above at six)
+    five = mini.rung_findings(dict(res, rungs=_rung([r for r in second if r['seed'] != 5])), 5.0)
+    assert [r['verdict'] for r in five] == [stats.INTERIM] * 5 and all(r['p_holm'] is None for r in five)
+    assert five[1]['n'] == 5 and five[1]['note'].startswith('5 of the 6 seeds stated')
+
+
+def test_a_passing_row_carries_its_robustness_and_every_tested_row_its_power():
+    # two tested rows, both passing: HC's (the smaller p) meets Holm's level 0.05 / 2, which no
+    # sign-based test can reach with 6 seeds (2 / 2^6 = 0.031); Full AttnRes's meets 0.05, which both reach
+    runs = []
+    for k in range(6):
+        runs += [_row('preln', 8, k, 2.0 + 0.01 * k), _row('hc', 8, k, 1.88 + 0.01 * k + 0.001 * (-1) ** k),
+                 _row('attnres', 8, k, 1.95 + 0.01 * k + 0.004 * (-1) ** k)]
+    text = mini.format_verdicts(mini.findings({'runs': runs, 'probes': {}, 'deepest': 8}))
+    lines = text.splitlines()
+    hc = next(i for i, x in enumerate(lines) if x.startswith('  - HC below Pre-LN'))
+    att = next(i for i, x in enumerate(lines) if x.startswith('  - Full AttnRes below Pre-LN'))
+    assert 'detectable with 80% power' in lines[hc] and 'detectable with 80% power' in lines[att]
+    assert lines[hc + 1].startswith('    - without normality: sign-flip permutation p 0.031, sign test p 0.031')
+    assert lines[hc + 1].endswith("Holm level 0.0250: neither reaches it, nor could at this n; the verdict rests "
+                                  "on the t-test's normal model")
+    assert lines[att + 1].endswith("Holm level 0.0500: both reach it")
+    assert sum('without normality' in x for x in lines) == 2              # the rows that do not pass have none
+
+
+def test_collect_reads_the_rung_with_its_commit_and_keeps_the_prior(tmp_path):
+    run = next(iter(families.runs('mini_tpp5', ['hc'], [8])))
+    d = tmp_path / results.seeded(run, 2).out_dir
+    d.mkdir(parents=True)
+    (d / 'summary.json').write_text(json.dumps({'finished': True, 'val_loss': 1.5, 'iter': 1082, 'max_iters': 1082,
+                                                'tokens': 4431872, 'n_params': 945000}))
+    sweep.record_wall_time(results.seeded(run, 2), str(tmp_path), 600.0, commit='f80fc5ca117e')
+    prior_row = dict(results.read_result(results.seeded(run, 3), str(tmp_path)), seed=3, status='finished', val_loss=1.6)
+    prior = {'family': 'mini', 'tokens_per_backbone_param': 2.5, 'deepest': 8, 'probes': {}, 'runs': [],
+             'rungs': {'5': {'runs': [prior_row]}}}
+    res = mini.collect(str(tmp_path), prior=prior)
+    rung = res['rungs']['5']
+    assert (rung['family'], rung['tokens_per_backbone_param'], len(rung['runs'])) == ('mini_tpp5', 5.0, 36)
+    by = {(r['scheme'], r['L'], r['seed']): r for r in rung['runs']}
+    assert (by[('hc', 8, 2)]['val_loss'], by[('hc', 8, 2)]['commits'], by[('hc', 8, 2)]['wall_s']) == \
+        (1.5, ['f80fc5ca117e'], 600.0)
+    assert by[('hc', 8, 3)]['val_loss'] == 1.6 and by[('preln', 4, 0)]['status'] == 'missing'
+    timing = mini.format_timing(res)
+    assert '- 5 tokens per parameter, L = 8: 1 timed run, 10 minutes of wall time each (1082 steps)' in timing
+    assert '- code at 5 tokens per parameter: 1 commit (f80fc5ca117e) over the 1 runs that record one; 1 record none' \
+        in timing
+
+
+def test_the_ladder_figure_pairs_the_seeds_both_rungs_have(tmp_path):
+    wob = lambda s, k: 0.001 * (k % 3) * (s == 'hc')  # noqa: E731
+    first = [_row(s, L, k, 2.0 - 0.1 * (s == 'hc') + 0.01 * k + wob(s, k)) for s in families.HEADLINE for L in (4, 8)
+             for k in range(8)]
+    second = [_row(s, L, k, 1.9 - 0.08 * (s == 'hc') + 0.01 * k + 0.001 * k * k + wob(s, k)) for s in families.HEADLINE
+              for L in (4, 8) for k in range(6)]
+    res = {'runs': first, 'probes': {}, 'deepest': 8, 'tokens_per_backbone_param': 2.5, 'rungs': _rung(second)}
+    points = mini.ladder_points(res)
+    gap, cost = points.values()
+    assert [(t, len(v)) for t, v, _, _ in gap['hc']] == [(2.5, 6), (5.0, 6)]   # seeds 6 and 7 have no second rung
+    assert gap['hc'][0][1] == pytest.approx([-0.1 + 0.001 * (k % 3) for k in range(6)])
+    assert gap['hc'][1][1] == pytest.approx([-0.08 + 0.001 * (k % 3) for k in range(6)])
+    assert gap['hc'][1][2] == pytest.approx(-0.083 / 2.782 * (1.9 + 0.025 + 0.001 * 55 / 6))    # F follows the rung
+    assert gap['hc'][0][3] == gap['hc'][1][3] == pytest.approx(-0.083 / mini.BYTES_PER_TOKEN)  # B does not
+    assert list(cost) == ['preln'] and mini.ladder_points(dict(res, rungs={})) == {k: {} for k in points}
+    from study import mini_plots
+    mini_plots.plot_ladder(points, tmp_path / 'ladder.png')
+    assert (tmp_path / 'ladder.png').stat().st_size > 10_000
+
+
+@committed
+def test_every_committed_row_of_the_second_rung_recomputed_independently():
+    from scipy.stats import t as student
+    res = json.loads(COMMITTED.read_text())
+    first = {(r['scheme'], r['L'], r['seed']): r['val_loss'] for r in res['runs'] if r['status'] == 'finished'}
+    rung = {(r['scheme'], r['L'], r['seed']): r['val_loss'] for r in res['rungs']['5']['runs'] if r['status'] == 'finished'}
+    if not rung:
+        pytest.skip("no run of the second rung is committed yet")
+    seeds = sorted({k for (_, _, k) in rung})
+    gap = lambda table, s, k: table[(s, 8, k)] - table[('preln', 8, k)]   # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)                                    # noqa: E731
+
+    def t(v):
+        n, m = len(v), mean(v)
+        se = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1) / n)
+        q = student.ppf(0.975, n - 1)
+        return dict(n=n, mean=m, se=se, p=2 * student.sf(abs(m / se), n - 1), lo=m - q * se, hi=m + q * se)
+
+    def size(r, x):
+        return 'matched' if r['lo'] <= x <= r['hi'] else 'larger' if ((r['hi'] < x) if x < 0 else (r['lo'] > x)) else 'smaller'
+    bpt = 3_094_132 / 653_670
+    pre8 = mean([rung[('preln', 8, k)] for k in seeds])
+    want = [t([rung[('preln', 8, k)] - rung[('preln', 4, k)] for k in seeds]),
+            t([gap(rung, 'hc', k) for k in seeds]), t([gap(rung, 'attnres', k) for k in seeds]),
+            t([gap(rung, 'hc', k) - gap(first, 'hc', k) for k in seeds]),
+            t([gap(rung, 'attnres', k) - gap(first, 'attnres', k) for k in seeds])]
+    papers = [(0.023 / 2.759 * mean([rung[('preln', 4, k)] for k in seeds]), 0.023 / bpt),
+              (-0.083 / 2.782 * pre8, -0.083 / bpt), (-0.064 / 2.782 * pre8, -0.064 / bpt)]
+    for w, a in zip(want, _holm_by_hand([w['p'] for w in want])):
+        w['holm'] = a
+    rows = mini.rung_findings(res, 5.0)
+    for r, w in zip(rows, want):
+        assert (r['n'], r['mean'], r['se'], r['p'], r['lo'], r['hi'], r['p_holm']) == \
+            (w['n'], pytest.approx(w['mean']), pytest.approx(w['se']), pytest.approx(w['p']), pytest.approx(w['lo']),
+             pytest.approx(w['hi']), pytest.approx(w['holm']))
+    for r, w, (F, B) in zip(rows[:3], want[:3], papers):
+        sizes = [size(w, F), size(w, B)]
+        sig, with_sign = w['holm'] <= 0.05, (w['mean'] > 0) == (F > 0)
+        verdict = ('opposite' if not with_sign else 'reproduces' if sizes == ['matched'] * 2 else
+                   'same direction, size unsettled' if sizes[0] != sizes[1] else 'same direction, size not matched') \
+            if sig else "bounded below the paper's size" if sizes == ['smaller'] * 2 else 'not resolved at this scale'
+        assert r['sizes'] == {'F': sizes[0], 'B': sizes[1]} and r['verdict'] == verdict, r['finding']
+    for r, w, s, p in zip(rows[3:], want[3:], ('hc', 'attnres'), (-0.083, -0.064)):
+        before = t([gap(first, s, k) for k in seeds])
+        ref = mean([first[('preln', 8, k)] for k in seeds])
+        toward = [{'larger': 1, 'smaller': -1, 'matched': 0}[size(before, x)] for x in (p / 2.782 * ref, p / bpt)]
+        sign = 1 if w['mean'] > 0 else -1
+        verdict = 'not resolved at this scale' if w['holm'] > 0.05 else "moves toward the paper's size" \
+            if toward == [sign, sign] else "moves away from the paper's size" if sign not in toward \
+            else 'moves; toward or away depends on the scaling'
+        assert r['towards'] == toward and r['verdict'] == verdict, r['finding']

@@ -435,3 +435,37 @@ def test_a_checkout_git_cannot_read_is_one_line(tmp_path, capsys):
     assert sweep.code_version(str(tmp_path)) is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"warning: git cannot read the commit of {tmp_path} (")
+
+
+def test_a_launch_killed_without_a_word_keeps_its_wall_time(tmp_path):
+    """Bug caught: a sweep killed with SIGKILL (or a machine's restart) mid-run loses that
+    launch's wall time, and a resumed run reports only its last launch. A real sweep process
+    times a 30 s command with a 0.2 s heartbeat and is killed at about 1.5 s; the next launch
+    folds the killed one's time into the totals and says how many ended so."""
+    import os
+    import signal
+    import time
+    run = next(iter(families.runs('mini', ['preln'], [2])))
+    (tmp_path / run.out_dir).mkdir(parents=True)
+    path = tmp_path / run.out_dir / 'wall_time.json'
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from study import families, sweep; "
+            "sweep.HEARTBEAT_S = 0.2; run = next(iter(families.runs('mini', ['preln'], [2]))); "
+            "sweep.timed(run, sys.argv[2], ['sleep', '30'], 'aaaa')")
+    child = subprocess.Popen([sys.executable, '-c', code, str(REPO), str(tmp_path)], start_new_session=True)
+    t0 = time.time()
+    while not (path.exists() and json.loads(path.read_text())['open']['wall_s'] >= 1.0):
+        assert time.time() - t0 < 60 and child.poll() is None, "the heartbeat never reached 1 s"
+        time.sleep(0.05)
+    os.killpg(child.pid, signal.SIGKILL)  # the sweep and its train.py (here: sleep), no handler runs
+    child.wait()
+    killed = json.loads(path.read_text())
+    assert killed['launches'] == 0 and 1.0 <= killed['open']['wall_s'] < 1.6 and killed['commits'] == ['aaaa']
+    assert sweep.timed(run, str(tmp_path), [sys.executable, '-c', 'import time; time.sleep(0.3)'], 'bbbb') == 0
+    wall = json.loads(path.read_text())
+    assert 'open' not in wall and wall['launches'] == 2 and wall['killed_launches'] == 1
+    assert killed['open']['wall_s'] + 0.3 <= wall['wall_s'] < killed['open']['wall_s'] + 5
+    assert wall['commits'] == ['aaaa', 'bbbb']
+    # a launch that ends on its own leaves no open entry and counts no kill
+    sweep.timed(run, str(tmp_path), [sys.executable, '-c', 'pass'], 'bbbb')
+    again = json.loads(path.read_text())
+    assert again['launches'] == 3 and again['killed_launches'] == 1 and 'open' not in again

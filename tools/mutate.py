@@ -36,6 +36,8 @@ MODULES = {
     'plan/memory.py': ['tests/test_memory.py', '-k', 'fit_bytes or peak_is_the_most or auto_micro_batch or oom_message '
                        'or probe_shapes or fit_message or cgroup or cpu_memory or probe_depths or weights_grads'],
     'perf/step.py': ['tests/test_step.py', '-k', 'not bench_step_suite'],
+    'fast/depth_read.py': ['tests/test_depth_read.py', 'tests/test_fast.py', '-k',
+                           'test_depth_read or attnres_group or blockattnres_sum or blockattnres_group'],
     'fast/__init__.py': ['tests/test_fast.py', '-k', 'guard or twin or resolve or setup_enables or cuda_kernel or '
                          'tolerance or floor or autocast_factor or softmax_in_bf16 or declared'],
 }
