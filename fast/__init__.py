@@ -21,6 +21,7 @@ line.
 | mhc_streams_triton        | MultiStream.block (mHC)          | CUDA, triton        | the same                             |
 | hc_streams_torch          | MultiStream.block (HC)           | any device          | fast/streams.py TorchOps             |
 | mhc_streams_torch         | MultiStream.block (mHC)          | any device          | the same                             |
+| moda_depth_cache          | MoDA.block (depth slots, softmax)| any device          | fast/moda.py: one cache, read in place |
 | moda_sdpa                 | MoDA.attention (joint softmax)   | any device          | fast/moda.py: null key on fused SDPA |
 
 Where both forms of a piece apply, the first listed wins. Without Triton or liger-kernel a
@@ -109,6 +110,8 @@ FAST_PATHS = [
              'fused stream steps (Triton)', cuda_only=True, package='triton'),
     FastPath('hc_streams_torch', residuals.HC, 'block', streams.block(streams.TorchOps), 'fused stream steps (torch)'),
     FastPath('mhc_streams_torch', residuals.MHC, 'block', streams.block(streams.TorchOps), 'fused stream steps (torch)'),
+    FastPath('moda_depth_cache', residuals.MoDA, 'block', moda.cached_block,
+             'depth slots written once into one cache, read in place; null key on SDPA'),
     FastPath('moda_sdpa', residuals.MoDA, 'attention', moda.sdpa_attention, 'null key on SDPA'),
 ]
 
@@ -525,7 +528,7 @@ CHECKED_CODE = {
     'rms_norm_eps': 'fdf3bfeee96e', 'MHC.coefficients': '0d330215714b', 'sinkhorn': '0753b2593d6f',
     'MHC.sinkhorn_rounds': '8b3588bc5fa7', 'sinkhorn_rounds': '8b3588bc5fa7', 'sinkhorn_round': '0c8a96a9f001',
     'HC.coefficients': '0eb74f874b89', 'MultiStream.read_streams': 'c5ffc4ba25bf',
-    'MultiStream.write_streams': '77d316b0ddba', 'MoDA.attention': 'e782425acffc',
+    'MultiStream.write_streams': '77d316b0ddba', 'MoDA.attention': 'e782425acffc', 'MoDA.block': '331e0a62fa4f', 'put_slot': '1a7252383f43',
     'MultiStream.block': 'f56dedabd706', 'MultiStream.sublayer': '407cc669e821',
 }
 

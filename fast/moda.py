@@ -1,7 +1,24 @@
 """
-Fast form of MoDA's joint sequence-and-depth attention, `residuals.MoDA.attention(q, k, v,
-depth_k, depth_v) -> y`: the same softmax without the explicit (T x (T + S)) score matrix,
-on fused `F.scaled_dot_product_attention` (flash attention on CUDA and on the CPU).
+Fast forms of MoDA (arXiv 2603.15619), same inputs and outputs as the plain methods of
+`residuals.MoDA`:
+
+`cached_block` (MoDA.block): the depth slots kept once. The plain block stacks the 2p depth
+keys and values it reads into new (B, H_kv, T, 2p, hd) tensors, and autograd keeps each
+stack: sum_p 2p = L (L - 1) slots copied and saved per step. Here one cache (B, H_kv, T, 2L,
+hd) per keys and per values, in the dtype of the block's k, is allocated at the first block;
+each block writes its slots into it once (slot 2p: its own k, before RoPE, and v; slot 2p + 1:
+depth_kv of its FFN input) and every later block reads slots [0, 2p) in place (`DepthPart`),
+keeping only the cache's memory for its backward (and its q and lse). The depth keys' and
+values' gradients are summed in one fp32 buffer of the cache's shape, in place, by each
+reading block's backward; a slot's writer (`WriteSlots`) hands its entries back when autograd
+reaches it, after every reader: an empty "token" tensor chains each read to the last write
+before it. A state's K and V tuples hold the cache's slots as written; a state whose slots are
+not the cache's frontier (one continued twice, one from the plain code) gets a cache of its
+own, its slots copied in, their gradient handed back to them.
+
+`sdpa_attention` (MoDA.attention) and the cached block's joint softmax: the same softmax
+without the explicit (T x (T + S)) score matrix, on fused `F.scaled_dot_product_attention`
+(flash attention on CUDA and on the CPU).
 
 The depth part collapses into one key per query: lse_t = log sum_j exp(d_tj) (fp32) and
 y_dep,t = softmax(d_t) . V_depth[t]. Shifting query t's sequence scores by -lse_t through one
@@ -11,18 +28,21 @@ makes the kernel return o_t = sum_s a_ts v_s and o_t[hd] = the total depth weigh
 y_t = o_t[:hd] + o_t[hd] * y_dep,t. Exact up to the rounding of the shift in q's dtype,
 which is corrected below for bf16 / fp16.
 
-Dtypes as in the plain code, with autocast off so that they stay what is written: the
-depth scores d in q's dtype (a matmul of q / sqrt(hd) and the depth keys, as the plain
-scores), their softmax and lse in fp32, the depth weights back in q's dtype for their
+Dtypes: `sdpa_attention` as the plain code, with autocast off so that they stay what is
+written: the depth scores d in q's dtype (a matmul of q / sqrt(hd) and the depth keys, as the
+plain scores), their softmax and lse in fp32, the depth weights back in q's dtype for their
 matmul with the depth values; the depth keys and values are read in their own dtype (never
-copied to fp32; a skipped block's zero slot, fp32 among bf16
-ones, is cast to q's dtype as autocast casts it for the plain matmuls).
+copied to fp32; a skipped block's zero slot, fp32 among bf16 ones, is cast to q's dtype as
+autocast casts it for the plain matmuls). `DepthPart` computes the depth scores, their softmax
+and y_dep in fp32 (fp64 for fp64) from the cache's slots.
 """
+
+import weakref
 
 import torch
 import torch.nn.functional as F
 
-from residuals import no_autocast
+from residuals import MoDA, no_autocast
 
 
 def sdpa_attention(self, q, k, v, depth_k, depth_v):
@@ -38,7 +58,17 @@ def sdpa_attention(self, q, k, v, depth_k, depth_v):
         lse = torch.logsumexp(d, dim=-1)                                              # (B, H_kv, G, T)
         a_dep = torch.softmax(d, dim=-1).to(q.dtype)
         y_dep = torch.einsum('bkgts,bktsd->bkgtd', a_dep, depth_v.to(q.dtype))      # (B, H_kv, G, T, hd)
-        y_dep, lse = y_dep.reshape(B, H, T, hd), lse.reshape(B, H, T)
+        return joint(q, k, v, lse.reshape(B, H, T), y_dep.reshape(B, H, T, hd))
+
+
+def joint(q, k, v, lse, y_dep):
+    """The joint softmax's output from its depth part: q (B, H, T, hd), k, v (B, H_kv, T, hd), the
+    depth scores' logsumexp lse (B, H, T) (fp32, fp64 for fp64) and their softmax-weighted values
+    y_dep (B, H, T, hd) -> y (B, H, T, hd) in q's dtype (module docstring: the null key)."""
+    B, H, T, hd = q.shape
+    Hkv = k.size(1)
+    scale = hd ** -0.5
+    with no_autocast(q):
         shift = (-lse / scale).to(q.dtype)                                            # (B, H, T)
         # position 0 of keys and queries: the null key, and a dummy query whose output is dropped
         q1 = F.pad(torch.cat((q, shift.unsqueeze(-1)), dim=-1), (0, 0, 1, 0))         # (B, H, 1 + T, hd + 1)
@@ -47,9 +77,188 @@ def sdpa_attention(self, q, k, v, depth_k, depth_v):
         o = F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, scale=scale,
                                            enable_gqa=H != Hkv)[:, :, 1:]             # (B, H, T, hd + 1)
         if shift.dtype == lse.dtype:  # fp32 / fp64: the shift is lse to the last bit
-            return (o[..., :hd] + o[..., hd:] * y_dep).to(q.dtype)
+            return (o[..., :hd] + o[..., hd:] * y_dep.to(q.dtype)).to(q.dtype)
         # bf16 / fp16: the kernel shifted by the rounded shift, not by lse: with
         # r = exp(lse + shift * scale) the depth mass is r * o_null out of 1 + (r - 1) o_null
+        acc = lse.dtype
         r = torch.exp(lse + shift.to(acc) * scale).unsqueeze(-1)                      # (B, H, T, 1), fp32
         null = o[..., hd:].to(acc)
         return ((o[..., :hd].to(acc) + (r * null) * y_dep.to(acc)) / (1 + (r - 1) * null)).to(q.dtype)
+
+
+# ---- the depth cache ---------------------------------------------------------------------------
+
+class Cache:
+    """One forward's depth slots: K and V (B, H_kv, T, 2L, hd), slots [0, filled) written (`written`:
+    weak references to the state entries that stand for them), and, during a backward, the
+    gradients of all slots (fp32; fp64 for fp64), summed in place by the blocks that read them."""
+
+    def __init__(self, like, n_slots):
+        B, Hkv, T, hd = like.shape
+        self.K = torch.empty(B, Hkv, T, n_slots, hd, dtype=like.dtype, device=like.device)
+        self.V = torch.empty_like(self.K)
+        self.filled, self.written, self.grads, self.token = 0, [], None, None
+
+    def holds(self, K, V, p):
+        """Whether the state's slot tuples K, V are this cache's slots up to its frontier, at most 2p."""
+        if self.filled > 2 * p:
+            return False
+        return all(r() is K[j] and s() is V[j] for j, (r, s) in enumerate(self.written))
+
+    def grad_buffers(self):
+        if self.grads is None:
+            acc = torch.promote_types(self.K.dtype, torch.float32)
+            self.grads = (torch.zeros(self.K.shape, dtype=acc, device=self.K.device),
+                          torch.zeros(self.V.shape, dtype=acc, device=self.V.device))
+        return self.grads
+
+
+def alias(t):
+    """A tensor on t's memory with a version counter of its own, not a view: what a backward keeps
+    of the cache (later writes go to other slots and must not invalidate it)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                                t.stride())
+
+
+class WriteSlots(torch.autograd.Function):
+    """token', *entries = WriteSlots.apply(cache, j0, token, K_j0, V_j0, K_j0+1, V_j0+1, ...): copies
+    the given (B, H_kv, T, hd) tensors into slots j0, j0 + 1, ... of the cache. Returns a new empty
+    token and the slots as the cache holds them (aliases: the state's entries). Backward, after
+    every block that read the slots: each slot's gradient from the cache's buffer plus that of
+    any other use of its entry, in the dtype of the tensor written."""
+
+    @staticmethod
+    def forward(ctx, cache, j0, token, *slots):
+        n = len(slots) // 2
+        with torch.no_grad():
+            for i in range(n):
+                cache.K[:, :, :, j0 + i].copy_(slots[2 * i])
+                cache.V[:, :, :, j0 + i].copy_(slots[2 * i + 1])
+        assert cache.filled == j0, "slots are written in order, once"
+        cache.filled = j0 + n
+        ctx.cache, ctx.j0, ctx.n, ctx.first = cache, j0, n, token is None
+        ctx.dtypes = [t.dtype for t in slots]
+        ctx.set_materialize_grads(False)
+        out = [torch.empty(0, dtype=cache.K.dtype, device=cache.K.device)]
+        for i in range(n):
+            out += [alias(cache.K[:, :, :, j0 + i]), alias(cache.V[:, :, :, j0 + i])]
+        return tuple(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dtoken, *douts):
+        cache, j0 = ctx.cache, ctx.j0
+        grads = cache.grads
+        if ctx.first:  # the cache's first write runs its backward last: the buffer is spent
+            cache.grads = None
+        out = []
+        for i in range(ctx.n):
+            for c in range(2):
+                g = None if grads is None else grads[c][:, :, :, j0 + i]
+                other = douts[2 * i + c]
+                g = other if g is None else g if other is None else g + other
+                out.append(None if g is None else g.to(ctx.dtypes[2 * i + c]))
+        token = None if ctx.first else torch.empty(0, dtype=cache.K.dtype, device=cache.K.device)
+        return (None, None, token) + tuple(out)
+
+
+class DepthPart(torch.autograd.Function):
+    """lse, y_dep = DepthPart.apply(cache, S, token, q): the depth part of the joint softmax of q
+    (B, H, T, hd) over slots [0, S) of the cache, read in place: lse (B, H, T) the logsumexp of the
+    depth scores q . K_j / sqrt(hd), y_dep (B, H, T, hd) their softmax-weighted values, both fp32
+    (fp64 for fp64). Saves q and lse; the backward recomputes the weights and adds the slots'
+    gradients into the cache's buffer."""
+
+    @staticmethod
+    def forward(ctx, cache, S, token, q):
+        B, H, T, hd = q.shape
+        Hkv = cache.K.size(1)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        with no_autocast(q):
+            q5 = q.view(B, Hkv, H // Hkv, T, hd).to(acc) * hd ** -0.5                     # (B, H_kv, G, T, hd)
+            d = torch.einsum('bkgtd,bktsd->bkgts', q5, cache.K[:, :, :, :S].to(acc))     # (B, H_kv, G, T, S)
+            lse = torch.logsumexp(d, dim=-1)                                             # (B, H_kv, G, T)
+            y = torch.einsum('bkgts,bktsd->bkgtd', torch.exp(d - lse.unsqueeze(-1)), cache.V[:, :, :, :S].to(acc))
+        ctx.cache, ctx.S = cache, S
+        ctx.save_for_backward(q, lse)
+        ctx.set_materialize_grads(False)
+        return lse.reshape(B, H, T), y.reshape(B, H, T, hd)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lse, g_y):
+        q, lse = ctx.saved_tensors
+        cache, S = ctx.cache, ctx.S
+        B, H, T, hd = q.shape
+        Hkv, G = cache.K.size(1), H // cache.K.size(1)
+        acc, scale = lse.dtype, hd ** -0.5
+        with no_autocast(q):
+            K, V = cache.K[:, :, :, :S].to(acc), cache.V[:, :, :, :S].to(acc)            # (B, H_kv, T, S, hd)
+            q5 = q.view(B, Hkv, G, T, hd).to(acc) * scale
+            a = torch.exp(torch.einsum('bkgtd,bktsd->bkgts', q5, K) - lse.unsqueeze(-1))  # (B, H_kv, G, T, S)
+            # dL/dd_j = a_j (g_y . (V_j - y_dep) + g_lse)
+            dd = torch.zeros_like(a) if g_lse is None else g_lse.view(B, Hkv, G, T, 1).to(acc) * a
+            dK, dV = cache.grad_buffers()
+            if g_y is not None:
+                gy = g_y.view(B, Hkv, G, T, hd).to(acc)
+                y = torch.einsum('bkgts,bktsd->bkgtd', a, V)
+                dd = dd + a * (torch.einsum('bkgtd,bktsd->bkgts', gy, V) - (gy * y).sum(-1, keepdim=True))
+                dV[:, :, :, :S] += torch.einsum('bkgts,bkgtd->bktsd', a, gy)
+            dK[:, :, :, :S] += torch.einsum('bkgts,bkgtd->bktsd', dd, q5)
+            dq = (torch.einsum('bkgts,bktsd->bkgtd', dd, K) * scale).reshape(q.shape).to(q.dtype)
+        return None, None, torch.empty(0, dtype=cache.K.dtype, device=cache.K.device), dq
+
+
+def cache_of(res, K, V, p, like):
+    """(cache, token) for a block at position p with the state's slot tuples K, V: the cache whose
+    slots they are, when its frontier is at most slot 2p; else a new one (2L slots, the dtype and
+    device of `like`). Slots [frontier, 2p) are copied in from the tuples (begin's zeros, a skipped
+    block's, all of a new cache's), their gradient handed back to them."""
+    cache = getattr(K[0], '_moda_cache', None) if p > 0 else None
+    if cache is None or not cache.holds(K, V, p):
+        cache = Cache(like, 2 * res.cfg.n_layer)
+    if cache.filled < 2 * p:
+        start = cache.filled
+        _write(cache, start, [t for j in range(start, 2 * p) for t in (K[j], V[j])])
+    return cache
+
+
+def _write(cache, j0, slots):
+    """Slots j0, j0 + 1, ... of the cache from [K_j0, V_j0, ...]: the state's new entries."""
+    cache.token, *entries = WriteSlots.apply(cache, j0, cache.token, *slots)
+    for e in entries:
+        e._moda_cache = cache  # a state's entries lead to their cache
+    cache.written += [(weakref.ref(k), weakref.ref(v)) for k, v in zip(entries[::2], entries[1::2])]
+    return entries
+
+
+@torch.compiler.disable  # Python state (the cache) across blocks: runs eagerly inside a compiled model
+def cached_block(self, state, b, layer, rope):
+    """MoDA.block on the depth cache (module docstring): the same state in, the same state out,
+    its K and V entries the cache's slots. Generation (a KV cache on the attention) and
+    use_depth=False take the plain block."""
+    h, K, V, p = state
+    if not self.use_depth or getattr(layer.attn, 'cache', None) is not None:
+        return MoDA.block(self, state, b, layer, rope)
+    if 2 * p + 2 > len(K):
+        raise ValueError(f"MoDA's depth cache has {len(K)} slots: an order may run or skip "
+                         f"at most n_layer={self.cfg.n_layer} blocks")
+    B, T, _ = h.shape
+    attn, prm = layer.attn, self.layers[b]
+    q, k, v = attn.qkv(prm.attn_norm(h))  # (B, H, T, hd), (B, H_kv, T, hd) x2, before RoPE
+    qr, kr = attn.rotate(q, rope), attn.rotate(k, rope)
+    cache = cache_of(self, K, V, p, k)
+    if p == 0:
+        y = attn.attend(qr, kr, v)        # plain causal attention
+    else:
+        lse, y_dep = DepthPart.apply(cache, 2 * p, cache.token, qr)
+        y = joint(qr, kr, v, lse, y_dep)
+    h = h + attn.out(y)
+    x = prm.mlp_norm(h)
+    slots = [k, v]
+    if prm.depth_kv is not None:
+        slots += list(prm.depth_kv(x).view(B, T, 2, k.size(1), -1).permute(2, 0, 3, 1, 4))  # 2x (B, H_kv, T, hd)
+    entries = _write(cache, 2 * p, slots)
+    K, V = K[:2 * p] + tuple(entries[0::2]) + K[2 * p + len(entries) // 2:], \
+        V[:2 * p] + tuple(entries[1::2]) + V[2 * p + len(entries) // 2:]
+    return h + layer.mlp(x), K, V, p + 1

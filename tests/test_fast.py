@@ -79,6 +79,12 @@ def path_inputs(res, method, mode, device, model=None):
         sources = tuple(t(B, T, D, scale=0.5 + i) for i in range(N_SRC - 1))
         partial = t(B, T, D, scale=2.0)
         return (sources, partial, 3, mixer, 1, 1), [*sources, partial, mixer.query, mixer.key_norm.weight]
+    if method == 'block' and isinstance(res, residuals.MoDA):  # position 1: reads 2 depth slots, writes 2
+        x, hd = t(B, T, D), D // 4
+        K = tuple(t(B, 2, T, hd, dtype=low, scale=2.0) for _ in range(2)) + (torch.zeros(B, 2, T, hd, dtype=wide),) * 2
+        V = tuple(t(B, 2, T, hd, dtype=low) for _ in range(2)) + (torch.zeros(B, 2, T, hd, dtype=wide),) * 2
+        return ((x, K, V, 1), 0, model.blocks[0], (model.rope_cos[:T], model.rope_sin[:T])), \
+            [x, *K[:2], *V[:2], *res.parameters(), *model.blocks[0].parameters()]
     if method == 'block':  # Block AttnRes's block 0 on the embedding: its MLP read is fused with P + f
         x = t(B, T, D)
         return (res.begin(x), 0, model.blocks[0], (model.rope_cos[:T], model.rope_sin[:T])), \
@@ -323,6 +329,21 @@ def mhc_post_halved(monkeypatch):
         lambda c: (c[0], c[1], c[2] / 2))(plain(self, H, route)))
 
 
+MODA_ATTENTION, MODA_BLOCK = residuals.MoDA.attention, residuals.MoDA.block  # the plain methods, before any edit
+
+
+def moda_hot_depth(self, q, k, v, depth_k, depth_v):
+    """MoDA.attention with the depth keys doubled: a temperature of 0.5 on the depth scores."""
+    return MODA_ATTENTION(self, q, k, v, 2 * depth_k, depth_v)
+
+
+def moda_no_ffn_slot(self, state, b, layer, rope):
+    """MoDA.block whose FFN-input slot (2p + 1) is written as zero: depth_kv unused."""
+    h, K, V, p = MODA_BLOCK(self, state, b, layer, rope)
+    j = 2 * p - 1
+    return h, residuals.put_slot(K, j, torch.zeros_like(K[j])), residuals.put_slot(V, j, torch.zeros_like(V[j])), p
+
+
 def read_halved(self, sources, mixer):
     """AttnRes.read with its output halved: an edit of the replaced method itself."""
     z, a = residuals.AttnRes.mix(self, torch.stack(sources), mixer)
@@ -352,6 +373,10 @@ EDITS = [  # (scheme, edit, the fast path that must refuse it, the plain method 
      'MultiStream.read_streams'),
     ('hc', lambda mp: mp.setattr(residuals.HC, 'coefficients', hc_linear), 'hc_streams_torch', 'HC.block',
      'HC.coefficients'),
+    ('moda', lambda mp: mp.setattr(residuals.MoDA, 'attention', moda_hot_depth), 'moda_depth_cache', 'MoDA.block',
+     'MoDA.attention'),
+    ('moda', lambda mp: mp.setattr(residuals.MoDA, 'block', moda_no_ffn_slot), 'moda_depth_cache', 'MoDA.block',
+     'MoDA.block'),
 ]
 
 
@@ -411,7 +436,7 @@ def test_an_edit_the_fast_path_replaces_trains_with_fast_paths_off(residual, edi
     ('hc', {}, ['hc_streams_torch']),
     ('mhc', {}, ['mhc_streams_torch']),
     ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_streams_torch']),
-    ('moda', {}, ['moda_sdpa']),
+    ('moda', {}, ['moda_depth_cache', 'moda_sdpa']),
     ('preln', {}, []),
 ])
 def test_setup_enables_the_fast_paths_and_keeps_the_step(residual, cfg_kw, names):
@@ -635,7 +660,7 @@ def test_the_twin_reads_every_branch_of_every_scheme():
     ('hc', {}, ['hc_streams_triton']),
     ('mhc', {}, ['mhc_streams_triton']),
     ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_streams_triton']),
-    ('moda', {}, ['moda_sdpa']),
+    ('moda', {}, ['moda_depth_cache', 'moda_sdpa']),
 ])
 def test_the_cuda_kernel_is_preferred_where_two_paths_apply(residual, cfg_kw, names, monkeypatch):
     """With CUDA and both packages (faked), select takes the kernel over the torch form of the
