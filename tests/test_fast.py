@@ -730,12 +730,14 @@ def torch_block_paths():
     return {p.scheme: p for p in fast.FAST_PATHS if p.method == 'block' and not p.cuda_only}
 
 
-@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+@pytest.mark.parametrize('residual', ['hc', 'mhc', 'moda'])
 def test_the_fused_blocks_follow_any_order(residual):
     """A probe's orders on the fp64 model, fast block against the plain one: blocks swapped (a step
-    that planned the next read is not read: the next call makes its own), a block skipped, and one
-    state continued twice (the planned read is used by the first continuation that asks for it, the
-    other computes its own); logits and every gradient to 1e-10."""
+    that planned the next read is not read: the next call makes its own; MoDA's last block, without
+    depth_kv, at position 0: its FFN slot stays the zero begin made), a block skipped, and one state
+    continued twice (the planned read is used by the first continuation that asks for it, the other
+    computes its own; MoDA: the second continuation copies the slots into a cache of its own);
+    logits and every gradient to 1e-10."""
     model = make(residual, torch.float64, n_layer=3)
     path = torch_block_paths()[type(model.residual)]
     idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(6))
@@ -786,6 +788,39 @@ def test_the_guard_refuses_a_stream_gradient_missing_one_use():
         with pytest.raises(fast.FastPathMismatch, match=r'planted_streams .*relative error') as e:
             fast.check(model, [path], 'cpu')
         assert '\n' not in str(e.value) and 'logits' not in str(e.value)  # the forward is exact: a gradient
+
+
+def planted_moda(old, new):
+    """fast/moda.py's cached_block with the line `old` of the module replaced by `new` (a planted error)."""
+    import inspect
+    from fast import moda
+    src = inspect.getsource(moda)
+    assert src.count(old) == 1, old
+    scope = {'__name__': 'planted_moda'}
+    exec(compile(src.replace(old, new), '<planted fast/moda.py>', 'exec'), scope)
+    return planted('planted_moda', 'block', scope['cached_block'], residuals.MoDA)
+
+
+@pytest.mark.parametrize('old,new,forward', [
+    ("DepthPart.apply(cache, 2 * p, cache.token, qr)", "DepthPart.apply(cache, 2 * p - 1, cache.token, qr)", True),
+    ("cache.K[:, :, :, j0 + i].copy_(slots[2 * i])", "cache.K[:, :, :, j0 + i].copy_(slots[2 * i - 2 * (j0 > 0)])",
+     True),
+    ("dV[:, :, :, :S] += torch.einsum('bkgts,bkgtd->bktsd', a, gy)",
+     "dV[:, :, :, :S] += 1.01 * torch.einsum('bkgts,bkgtd->bktsd', a, gy)", False),
+    ("g = None if grads is None else grads[c][:, :, :, j0 + i]",
+     "g = None if grads is None else grads[c][:, :, :, max(j0 + i - 1, 0)]", False),
+], ids=['one-depth-slot-fewer-read', 'a-key-slot-off-by-one', 'depth-value-gradient-1.01x',
+        'slot-gradient-off-by-one'])
+def test_the_guard_refuses_a_depth_cache_error(old, new, forward):
+    """MoDA's depth cache with a planted error: a block reading one slot fewer, a key written into the
+    slot of the one before, the depth values' gradient 1% too large, a slot handed the gradient of
+    the one before: refused on the fp64 twin in one line, on the logits when the forward is wrong,
+    on a gradient (not the logits) when only the backward is."""
+    model = make('moda')
+    path = planted_moda(old, new)
+    with pytest.raises(fast.FastPathMismatch, match=r'planted_moda .*relative error') as e:
+        fast.check(model, [path], 'cpu')
+    assert '\n' not in str(e.value) and ('logits' in str(e.value)) == forward, str(e.value)
 
 
 def test_the_guard_refuses_sinkhorn_rounds_in_bf16(monkeypatch):

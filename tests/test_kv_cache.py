@@ -69,6 +69,23 @@ def test_cached_greedy_generation_equals_recomputing_for_every_scheme(residual):
         assert err < 1e-4 and (top2[..., 0] - top2[..., 1]).min() > 2 * err, (residual, T, err)
 
 
+def test_moda_generation_with_the_fast_paths_on():
+    """MoDA with its fast paths on (the depth cache in place of MoDA.block, SDPA for the joint
+    softmax): cached generation takes the plain block, whose attention the KV cache feeds, and
+    gives the tokens of the plain model's recomputing loop; its logits match to 1e-4."""
+    model = make('moda')
+    idx = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
+    want, logits = greedy_recomputed(model, idx, 10)
+    assert [p.name for p in fast.setup(model, True, 'cpu')] == ['moda_depth_cache', 'moda_sdpa']
+    try:
+        got = sample.generate(model, idx, 10, temperature=0)
+        assert torch.equal(got[:, 5:], want)
+        assert (torch.stack(cached_logits(model, idx, want)) - logits).abs().amax() < 1e-4
+        assert (greedy_recomputed(model, idx, 10)[1] - logits).abs().amax() < 1e-4  # the fast training forward
+    finally:
+        fast.disable(model)
+
+
 def cached_logits(model, prompt, tokens):
     """The logits of every step of sample.stream's cached path, fed `tokens` (B, n) instead of
     its own picks: a list of n (B, V) tensors."""
