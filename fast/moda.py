@@ -8,9 +8,9 @@ stack: sum_p 2p = L (L - 1) slots copied and saved per step. Here one cache (B, 
 hd) per keys and per values, in the dtype of the block's k, is allocated at the first block;
 each block writes its slots into it once (slot 2p: its own k, before RoPE, and v; slot 2p + 1:
 depth_kv of its FFN input) and every later block reads slots [0, 2p) in place (`DepthPart`),
-keeping only the cache's memory for its backward (and its q and lse). The depth keys' and
-values' gradients are summed in one fp32 buffer of the cache's shape, in place, by each
-reading block's backward; a slot's writer (`WriteSlots`) hands its entries back when autograd
+keeping only the cache's memory for its backward (besides its q, its output and its softmax
+weights, S per query head and token). The depth keys' and values' gradients are summed in one
+buffer of the cache's shape and dtype, in place, by each reading block's backward; a slot's writer (`WriteSlots`) hands its entries back when autograd
 reaches it, after every reader: an empty "token" tensor chains each read to the last write
 before it. A state's K and V tuples hold the cache's slots as written; a state whose slots are
 not the cache's frontier (one continued twice, one from the plain code) gets a cache of its
@@ -33,8 +33,8 @@ written: the depth scores d in q's dtype (a matmul of q / sqrt(hd) and the depth
 plain scores), their softmax and lse in fp32, the depth weights back in q's dtype for their
 matmul with the depth values; the depth keys and values are read in their own dtype (never
 copied to fp32; a skipped block's zero slot, fp32 among bf16 ones, is cast to q's dtype as
-autocast casts it for the plain matmuls). `DepthPart` computes the depth scores, their softmax
-and y_dep in fp32 (fp64 for fp64) from the cache's slots.
+autocast casts it for the plain matmuls). `DepthPart` keeps these dtypes, reading the slots
+from the cache (in the dtype of the block's k).
 """
 
 import weakref
@@ -91,7 +91,7 @@ def joint(q, k, v, lse, y_dep):
 class Cache:
     """One forward's depth slots: K and V (B, H_kv, T, 2L, hd), slots [0, filled) written (`written`:
     weak references to the state entries that stand for them), and, during a backward, the
-    gradients of all slots (fp32; fp64 for fp64), summed in place by the blocks that read them."""
+    gradients of all slots (in the cache's dtype), summed in place by the blocks that read them."""
 
     def __init__(self, like, n_slots):
         B, Hkv, T, hd = like.shape
@@ -107,9 +107,7 @@ class Cache:
 
     def grad_buffers(self):
         if self.grads is None:
-            acc = torch.promote_types(self.K.dtype, torch.float32)
-            self.grads = (torch.zeros(self.K.shape, dtype=acc, device=self.K.device),
-                          torch.zeros(self.V.shape, dtype=acc, device=self.V.device))
+            self.grads = (torch.zeros_like(self.K), torch.zeros_like(self.V))
         return self.grads
 
 
@@ -162,12 +160,31 @@ class WriteSlots(torch.autograd.Function):
         return (None, None, token) + tuple(out)
 
 
+def _per_token(t, Hkv):
+    """(B, H, T, ...) -> (B * H_kv * T, G, ...): a token's G query heads of one key/value head together."""
+    B, H, T = t.shape[:3]
+    t = t.view(B, Hkv, H // Hkv, T, *t.shape[3:]).transpose(2, 3)
+    return t.reshape(B * Hkv * T, H // Hkv, *t.shape[4:])
+
+
+def _per_head(t, B, Hkv):
+    """(B * H_kv * T, G, ...) -> (B, H, T, ...): `_per_token`'s inverse."""
+    N, G = t.shape[:2]
+    T = N // (B * Hkv)
+    return t.view(B, Hkv, T, G, *t.shape[2:]).transpose(2, 3).reshape(B, Hkv * G, T, *t.shape[2:])
+
+
 class DepthPart(torch.autograd.Function):
     """lse, y_dep = DepthPart.apply(cache, S, token, q): the depth part of the joint softmax of q
-    (B, H, T, hd) over slots [0, S) of the cache, read in place: lse (B, H, T) the logsumexp of the
-    depth scores q . K_j / sqrt(hd), y_dep (B, H, T, hd) their softmax-weighted values, both fp32
-    (fp64 for fp64). Saves q and lse; the backward recomputes the weights and adds the slots'
-    gradients into the cache's buffer."""
+    (B, H, T, hd) over slots [0, S) of the cache, read in place (one batched matrix product per
+    token and key/value head, the slots as strided views of the cache): lse (B, H, T) the
+    logsumexp of the depth scores d_j = (q / sqrt(hd)) . K_j, fp32 (fp64 for fp64), y_dep (B, H,
+    T, hd) their softmax-weighted values in q's dtype. Dtypes as `sdpa_attention`: scores and
+    weighted values in q's dtype, softmax and lse in fp32. Saves the scaled q, the softmax weights
+    (fp32, (B H_kv T, G, S): S per query head and token, not the slots) and y_dep. The backward
+    adds the slots' gradients into the cache's buffer in place (`baddbmm_`: one rounding per
+    reading block, where autograd's sum of the plain slots' gradients rounds each term and each
+    sum in their dtype)."""
 
     @staticmethod
     def forward(ctx, cache, S, token, q):
@@ -175,37 +192,38 @@ class DepthPart(torch.autograd.Function):
         Hkv = cache.K.size(1)
         acc = torch.promote_types(q.dtype, torch.float32)
         with no_autocast(q):
-            q5 = q.view(B, Hkv, H // Hkv, T, hd).to(acc) * hd ** -0.5                     # (B, H_kv, G, T, hd)
-            d = torch.einsum('bkgtd,bktsd->bkgts', q5, cache.K[:, :, :, :S].to(acc))     # (B, H_kv, G, T, S)
-            lse = torch.logsumexp(d, dim=-1)                                             # (B, H_kv, G, T)
-            y = torch.einsum('bkgts,bktsd->bkgtd', torch.exp(d - lse.unsqueeze(-1)), cache.V[:, :, :, :S].to(acc))
-        ctx.cache, ctx.S = cache, S
-        ctx.save_for_backward(q, lse)
+            qg = _per_token(q * hd ** -0.5, Hkv)                                       # (N, G, hd), as the plain scores
+            K = cache.K.view(B * Hkv * T, -1, hd)[:, :S].to(q.dtype)                   # (N, S, hd): a view
+            V = cache.V.view(B * Hkv * T, -1, hd)[:, :S].to(q.dtype)
+            d = torch.bmm(qg, K.transpose(1, 2)).to(acc)                               # (N, G, S)
+            lse = torch.logsumexp(d, dim=-1)                                           # (N, G)
+            a = torch.exp(d - lse.unsqueeze(-1))                                       # (N, G, S), fp32
+            y = torch.bmm(a.to(q.dtype), V)                                            # (N, G, hd)
+        ctx.cache, ctx.S, ctx.shape = cache, S, (B, Hkv)
+        ctx.save_for_backward(qg, a, y)
         ctx.set_materialize_grads(False)
-        return lse.reshape(B, H, T), y.reshape(B, H, T, hd)
+        return _per_head(lse, B, Hkv), _per_head(y, B, Hkv)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_lse, g_y):
-        q, lse = ctx.saved_tensors
-        cache, S = ctx.cache, ctx.S
-        B, H, T, hd = q.shape
-        Hkv, G = cache.K.size(1), H // cache.K.size(1)
-        acc, scale = lse.dtype, hd ** -0.5
-        with no_autocast(q):
-            K, V = cache.K[:, :, :, :S].to(acc), cache.V[:, :, :, :S].to(acc)            # (B, H_kv, T, S, hd)
-            q5 = q.view(B, Hkv, G, T, hd).to(acc) * scale
-            a = torch.exp(torch.einsum('bkgtd,bktsd->bkgts', q5, K) - lse.unsqueeze(-1))  # (B, H_kv, G, T, S)
+        qg, a, y = ctx.saved_tensors
+        cache, S, (B, Hkv) = ctx.cache, ctx.S, ctx.shape
+        N, G, hd = qg.shape
+        acc, dt = a.dtype, qg.dtype
+        with no_autocast(qg):
+            K = cache.K.view(N, -1, hd)[:, :S].to(dt)                                  # (N, S, hd)
+            V = cache.V.view(N, -1, hd)[:, :S].to(dt)
+            dK, dV = (g.view(N, -1, hd)[:, :S] for g in cache.grad_buffers())          # (N, S, hd) views
             # dL/dd_j = a_j (g_y . (V_j - y_dep) + g_lse)
-            dd = torch.zeros_like(a) if g_lse is None else g_lse.view(B, Hkv, G, T, 1).to(acc) * a
-            dK, dV = cache.grad_buffers()
+            dd = torch.zeros_like(a) if g_lse is None else _per_token(g_lse, Hkv).unsqueeze(-1) * a
             if g_y is not None:
-                gy = g_y.view(B, Hkv, G, T, hd).to(acc)
-                y = torch.einsum('bkgts,bktsd->bkgtd', a, V)
-                dd = dd + a * (torch.einsum('bkgtd,bktsd->bkgts', gy, V) - (gy * y).sum(-1, keepdim=True))
-                dV[:, :, :, :S] += torch.einsum('bkgts,bkgtd->bktsd', a, gy)
-            dK[:, :, :, :S] += torch.einsum('bkgts,bkgtd->bktsd', dd, q5)
-            dq = (torch.einsum('bkgts,bktsd->bkgtd', dd, K) * scale).reshape(q.shape).to(q.dtype)
+                gy = _per_token(g_y, Hkv)                                              # (N, G, hd)
+                D = (gy.to(acc) * y.to(acc)).sum(-1, keepdim=True)                     # (N, G, 1)
+                dd = dd + a * (torch.bmm(gy.to(dt), V.transpose(1, 2)).to(acc) - D)
+                dV.baddbmm_(a.transpose(1, 2).to(dV.dtype), gy.to(dV.dtype))
+            dK.baddbmm_(dd.transpose(1, 2).to(dK.dtype), qg.to(dK.dtype))
+            dq = _per_head(torch.bmm(dd.to(dt), K), B, Hkv) * hd ** -0.5
         return None, None, torch.empty(0, dtype=cache.K.dtype, device=cache.K.device), dq
 
 

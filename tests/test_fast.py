@@ -805,12 +805,12 @@ def planted_moda(old, new):
     ("DepthPart.apply(cache, 2 * p, cache.token, qr)", "DepthPart.apply(cache, 2 * p - 1, cache.token, qr)", True),
     ("cache.K[:, :, :, j0 + i].copy_(slots[2 * i])", "cache.K[:, :, :, j0 + i].copy_(slots[2 * i - 2 * (j0 > 0)])",
      True),
-    ("dV[:, :, :, :S] += torch.einsum('bkgts,bkgtd->bktsd', a, gy)",
-     "dV[:, :, :, :S] += 1.01 * torch.einsum('bkgts,bkgtd->bktsd', a, gy)", False),
+    ("dV.baddbmm_(a.transpose(1, 2).to(dV.dtype), gy.to(dV.dtype))",
+     "dV.baddbmm_(a.transpose(1, 2).to(dV.dtype), 1.01 * gy.to(dV.dtype))", False),
     ("g = None if grads is None else grads[c][:, :, :, j0 + i]",
      "g = None if grads is None else grads[c][:, :, :, max(j0 + i - 1, 0)]", False),
-], ids=['one-depth-slot-fewer-read', 'a-key-slot-off-by-one', 'depth-value-gradient-1.01x',
-        'slot-gradient-off-by-one'])
+], ids=['moda-one-depth-slot-fewer-read', 'moda-a-key-slot-off-by-one', 'moda-depth-value-gradient-1.01x',
+        'moda-slot-gradient-off-by-one'])
 def test_the_guard_refuses_a_depth_cache_error(old, new, forward):
     """MoDA's depth cache with a planted error: a block reading one slot fewer, a key written into the
     slot of the one before, the depth values' gradient 1% too large, a slot handed the gradient of
