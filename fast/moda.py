@@ -90,14 +90,19 @@ def joint(q, k, v, lse, y_dep):
 
 class Cache:
     """One forward's depth slots: K and V (B, H_kv, T, 2L, hd), slots [0, filled) written (`written`:
-    weak references to the state entries that stand for them), and, during a backward, the
-    gradients of all slots (in the cache's dtype), summed in place by the blocks that read them."""
+    weak references to the state entries that stand for them). The reading blocks' scaled queries Q
+    and softmax weights A, one row block of G per position p (rows pG .. pG + G - 1 of (N, L G, hd)
+    and (N, L G, 2L), N = B H_kv T; `readers`: the positions that read), and, during a backward,
+    their score gradients DD and weighted values' gradients GY in the same layout (`done`: the
+    positions whose backward has run): a slot's gradient is one product over its readers' rows."""
 
     def __init__(self, like, n_slots):
         B, Hkv, T, hd = like.shape
         self.K = torch.empty(B, Hkv, T, n_slots, hd, dtype=like.dtype, device=like.device)
         self.V = torch.empty_like(self.K)
-        self.filled, self.written, self.grads, self.token = 0, [], None, None
+        self.filled, self.written, self.token = 0, [], None
+        self.Q = self.A = self.DD = self.GY = None
+        self.readers, self.done = [], []
 
     def holds(self, K, V, p):
         """Whether the state's slot tuples K, V are this cache's slots up to its frontier, at most 2p."""
@@ -105,10 +110,31 @@ class Cache:
             return False
         return all(r() is K[j] and s() is V[j] for j, (r, s) in enumerate(self.written))
 
-    def grad_buffers(self):
-        if self.grads is None:
-            self.grads = (torch.zeros_like(self.K), torch.zeros_like(self.V))
-        return self.grads
+    def slot_grads(self, j, n):
+        """The gradients (dK, dV) (N, n, hd) of slots j .. j + n - 1, which have the same readers
+        (2m and 2m + 1: the positions p > m), from those whose backward has run, in q's dtype;
+        (None, None) when there are none."""
+        assert (j + n - 1) // 2 == j // 2, "slots 2m and 2m + 1 at most"
+        G = self.Q.size(1) // (self.K.size(3) // 2)
+        rows = sorted(p for p in self.done if 2 * p > j)
+        dK = dV = None
+        for lo, hi in _runs(rows):  # each run of consecutive positions: one product
+            r = slice(lo * G, (hi + 1) * G)
+            k = torch.bmm(self.DD[:, r, j:j + n].transpose(1, 2), self.Q[:, r])                  # (N, n, hd)
+            v = torch.bmm(self.A[:, r, j:j + n].transpose(1, 2).to(self.GY.dtype), self.GY[:, r])
+            dK, dV = (k, v) if dK is None else (dK + k, dV + v)
+        return dK, dV
+
+
+def _runs(xs):
+    """Sorted integers -> [(first, last)] of their runs of consecutive values."""
+    runs = []
+    for x in xs:
+        if runs and runs[-1][1] == x - 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return runs
 
 
 def alias(t):
@@ -146,16 +172,25 @@ class WriteSlots(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dtoken, *douts):
         cache, j0 = ctx.cache, ctx.j0
-        grads = cache.grads
-        if ctx.first:  # the cache's first write runs its backward last: the buffer is spent
-            cache.grads = None
+        B, Hkv, T, _, hd = cache.K.shape
+        grads = {}  # slot -> (dK, dV) (N, hd); slots 2m and 2m + 1 in one product
+        for j in range(j0, j0 + ctx.n):
+            if j not in grads:
+                n = 2 if j % 2 == 0 and j + 1 < j0 + ctx.n else 1
+                dK, dV = cache.slot_grads(j, n) if cache.done else (None, None)
+                for i in range(n):
+                    grads[j + i] = (None, None) if dK is None else (dK[:, i], dV[:, i])
         out = []
         for i in range(ctx.n):
             for c in range(2):
-                g = None if grads is None else grads[c][:, :, :, j0 + i]
+                g = grads[j0 + i][c]
+                g = None if g is None else g.reshape(B, Hkv, T, hd)
                 other = douts[2 * i + c]
                 g = other if g is None else g if other is None else g + other
                 out.append(None if g is None else g.to(ctx.dtypes[2 * i + c]))
+        if ctx.first:  # the cache's first write runs its backward last: the pass is over
+            cache.DD = cache.GY = None
+            cache.done = []
         token = None if ctx.first else torch.empty(0, dtype=cache.K.dtype, device=cache.K.device)
         return (None, None, token) + tuple(out)
 
@@ -180,50 +215,65 @@ class DepthPart(torch.autograd.Function):
     token and key/value head, the slots as strided views of the cache): lse (B, H, T) the
     logsumexp of the depth scores d_j = (q / sqrt(hd)) . K_j, fp32 (fp64 for fp64), y_dep (B, H,
     T, hd) their softmax-weighted values in q's dtype. Dtypes as `sdpa_attention`: scores and
-    weighted values in q's dtype, softmax and lse in fp32. Saves the scaled q, the softmax weights
-    (fp32, (B H_kv T, G, S): S per query head and token, not the slots) and y_dep. The backward
-    adds the slots' gradients into the cache's buffer in place (`baddbmm_`: one rounding per
-    reading block, where autograd's sum of the plain slots' gradients rounds each term and each
-    sum in their dtype)."""
+    weighted values in q's dtype, softmax and lse in fp32. The scaled q and the softmax weights
+    go into the cache's rows of position S / 2 (`Cache`), kept once for all blocks, with y_dep.
+    The backward computes q's gradient and leaves the score and weighted values' gradients in
+    the cache's rows: each slot's writer takes its gradient from them (`Cache.slot_grads`)."""
 
     @staticmethod
     def forward(ctx, cache, S, token, q):
         B, H, T, hd = q.shape
-        Hkv = cache.K.size(1)
+        Hkv, L = cache.K.size(1), cache.K.size(3) // 2
+        G, N, p = H // Hkv, B * Hkv * T, S // 2
         acc = torch.promote_types(q.dtype, torch.float32)
+        if cache.Q is None:
+            cache.Q = torch.empty(N, L * G, hd, dtype=q.dtype, device=q.device)
+            cache.A = torch.empty(N, L * G, 2 * L, dtype=acc, device=q.device)
+        assert cache.Q.dtype == q.dtype and p not in cache.readers, "one read per position, in one dtype"
+        rows = slice(p * G, (p + 1) * G)
         with no_autocast(q):
-            qg = _per_token(q * hd ** -0.5, Hkv)                                       # (N, G, hd), as the plain scores
-            K = cache.K.view(B * Hkv * T, -1, hd)[:, :S].to(q.dtype)                   # (N, S, hd): a view
-            V = cache.V.view(B * Hkv * T, -1, hd)[:, :S].to(q.dtype)
+            qg = cache.Q[:, rows]                                                      # (N, G, hd): a view
+            torch.mul(_per_token(q, Hkv), hd ** -0.5, out=qg)                          # as the plain scores
+            K = cache.K.view(N, -1, hd)[:, :S].to(q.dtype)                             # (N, S, hd): a view
+            V = cache.V.view(N, -1, hd)[:, :S].to(q.dtype)
             d = torch.bmm(qg, K.transpose(1, 2)).to(acc)                               # (N, G, S)
             lse = torch.logsumexp(d, dim=-1)                                           # (N, G)
-            a = torch.exp(d - lse.unsqueeze(-1))                                       # (N, G, S), fp32
+            a = cache.A[:, rows, :S]
+            torch.exp(d - lse.unsqueeze(-1), out=a)                                    # (N, G, S), fp32
             y = torch.bmm(a.to(q.dtype), V)                                            # (N, G, hd)
+        cache.readers.append(p)
         ctx.cache, ctx.S, ctx.shape = cache, S, (B, Hkv)
-        ctx.save_for_backward(qg, a, y)
+        ctx.save_for_backward(alias(cache.Q), alias(cache.A), y)
         ctx.set_materialize_grads(False)
         return _per_head(lse, B, Hkv), _per_head(y, B, Hkv)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_lse, g_y):
-        qg, a, y = ctx.saved_tensors
+        Q, A, y = ctx.saved_tensors
         cache, S, (B, Hkv) = ctx.cache, ctx.S, ctx.shape
-        N, G, hd = qg.shape
+        N, G, hd = y.shape
+        p, rows = S // 2, slice(S // 2 * G, (S // 2 + 1) * G)
+        qg, a = Q[:, rows], A[:, rows, :S]                                             # (N, G, hd), (N, G, S)
         acc, dt = a.dtype, qg.dtype
+        if cache.DD is None:
+            cache.DD = torch.empty(A.shape, dtype=dt, device=A.device)                 # (N, L G, 2L)
+            cache.GY = torch.empty(Q.shape, dtype=dt, device=Q.device)                 # (N, L G, hd)
         with no_autocast(qg):
             K = cache.K.view(N, -1, hd)[:, :S].to(dt)                                  # (N, S, hd)
             V = cache.V.view(N, -1, hd)[:, :S].to(dt)
-            dK, dV = (g.view(N, -1, hd)[:, :S] for g in cache.grad_buffers())          # (N, S, hd) views
             # dL/dd_j = a_j (g_y . (V_j - y_dep) + g_lse)
             dd = torch.zeros_like(a) if g_lse is None else _per_token(g_lse, Hkv).unsqueeze(-1) * a
-            if g_y is not None:
-                gy = _per_token(g_y, Hkv)                                              # (N, G, hd)
+            gy = cache.GY[:, rows]
+            if g_y is None:
+                gy.zero_()
+            else:
+                gy.copy_(_per_token(g_y, Hkv))                                         # (N, G, hd)
                 D = (gy.to(acc) * y.to(acc)).sum(-1, keepdim=True)                     # (N, G, 1)
-                dd = dd + a * (torch.bmm(gy.to(dt), V.transpose(1, 2)).to(acc) - D)
-                dV.baddbmm_(a.transpose(1, 2).to(dV.dtype), gy.to(dV.dtype))
-            dK.baddbmm_(dd.transpose(1, 2).to(dK.dtype), qg.to(dK.dtype))
+                dd = dd + a * (torch.bmm(gy, V.transpose(1, 2)).to(acc) - D)
+            cache.DD[:, rows, :S].copy_(dd)
             dq = _per_head(torch.bmm(dd.to(dt), K), B, Hkv) * hd ** -0.5
+        cache.done.append(p)
         return None, None, torch.empty(0, dtype=cache.K.dtype, device=cache.K.device), dq
 
 

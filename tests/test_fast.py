@@ -802,19 +802,18 @@ def planted_moda(old, new):
 
 
 @pytest.mark.parametrize('old,new,forward', [
-    ("DepthPart.apply(cache, 2 * p, cache.token, qr)", "DepthPart.apply(cache, 2 * p - 1, cache.token, qr)", True),
+    ("K = cache.K.view(N, -1, hd)[:, :S].to(q.dtype)", "K = cache.K.view(N, -1, hd)[:, 1:S + 1].to(q.dtype)", True),
     ("cache.K[:, :, :, j0 + i].copy_(slots[2 * i])", "cache.K[:, :, :, j0 + i].copy_(slots[2 * i - 2 * (j0 > 0)])",
      True),
-    ("dV.baddbmm_(a.transpose(1, 2).to(dV.dtype), gy.to(dV.dtype))",
-     "dV.baddbmm_(a.transpose(1, 2).to(dV.dtype), 1.01 * gy.to(dV.dtype))", False),
-    ("g = None if grads is None else grads[c][:, :, :, j0 + i]",
-     "g = None if grads is None else grads[c][:, :, :, max(j0 + i - 1, 0)]", False),
-], ids=['moda-one-depth-slot-fewer-read', 'moda-a-key-slot-off-by-one', 'moda-depth-value-gradient-1.01x',
+    ("v = torch.bmm(self.A[:, r, j:j + n].transpose(1, 2).to(self.GY.dtype), self.GY[:, r])",
+     "v = 1.01 * torch.bmm(self.A[:, r, j:j + n].transpose(1, 2).to(self.GY.dtype), self.GY[:, r])", False),
+    ("g = grads[j0 + i][c]", "g = grads[max(j0 + i - 1, j0)][c]", False),
+], ids=['moda-depth-keys-read-one-slot-late', 'moda-a-key-slot-off-by-one', 'moda-depth-value-gradient-1.01x',
         'moda-slot-gradient-off-by-one'])
 def test_the_guard_refuses_a_depth_cache_error(old, new, forward):
-    """MoDA's depth cache with a planted error: a block reading one slot fewer, a key written into the
-    slot of the one before, the depth values' gradient 1% too large, a slot handed the gradient of
-    the one before: refused on the fp64 twin in one line, on the logits when the forward is wrong,
+    """MoDA's depth cache with a planted error: a block reading the keys one slot late, a key written
+    into the slot of the one before, the depth values' gradient 1% too large, a slot handed the
+    gradient of the one before: refused on the fp64 twin in one line, on the logits when the forward is wrong,
     on a gradient (not the logits) when only the backward is."""
     model = make('moda')
     path = planted_moda(old, new)
