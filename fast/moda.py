@@ -8,9 +8,11 @@ stack: sum_p 2p = L (L - 1) slots copied and saved per step. Here one cache (B, 
 hd) per keys and per values, in the dtype of the block's k, is allocated at the first block;
 each block writes its slots into it once (slot 2p: its own k, before RoPE, and v; slot 2p + 1:
 depth_kv of its FFN input) and every later block reads slots [0, 2p) in place (`DepthPart`),
-keeping only the cache's memory for its backward (besides its q, its output and its softmax
-weights, S per query head and token). The depth keys' and values' gradients are summed in one
-buffer of the cache's shape and dtype, in place, by each reading block's backward; a slot's writer (`WriteSlots`) hands its entries back when autograd
+keeping only the cache's memory for its backward, and its scaled q and softmax weights (2L per
+query head and token) in two buffers of the cache, one row block per position. Backward, each
+reading block leaves its score and weighted values' gradients in the cache's rows; a slot's
+writer (`WriteSlots`) forms the slot's gradient in one product over its readers' rows
+(dK_j = sum_r dd_rj q_r, dV_j = sum_r a_rj dy_r) and hands it back to its entries when autograd
 reaches it, after every reader: an empty "token" tensor chains each read to the last write
 before it. A state's K and V tuples hold the cache's slots as written; a state whose slots are
 not the cache's frontier (one continued twice, one from the plain code) gets a cache of its
@@ -148,8 +150,8 @@ class WriteSlots(torch.autograd.Function):
     """token', *entries = WriteSlots.apply(cache, j0, token, K_j0, V_j0, K_j0+1, V_j0+1, ...): copies
     the given (B, H_kv, T, hd) tensors into slots j0, j0 + 1, ... of the cache. Returns a new empty
     token and the slots as the cache holds them (aliases: the state's entries). Backward, after
-    every block that read the slots: each slot's gradient from the cache's buffer plus that of
-    any other use of its entry, in the dtype of the tensor written."""
+    every block that read the slots: each slot's gradient from its readers' rows
+    (`Cache.slot_grads`) plus that of any other use of its entry, in the dtype of the tensor written."""
 
     @staticmethod
     def forward(ctx, cache, j0, token, *slots):
