@@ -822,6 +822,44 @@ def test_the_guard_refuses_a_depth_cache_error(old, new, forward):
     assert '\n' not in str(e.value) and ('logits' in str(e.value)) == forward, str(e.value)
 
 
+def test_moda_depth_cache_keeps_each_slot_once():
+    """What autograd keeps for the backward (saved-tensor hooks, each storage once, weights
+    excluded), fp32, L = 6: the plain blocks keep their stacks of the depth keys and values,
+    sum_p 2p = L (L - 1) = 30 slots each; the depth cache keeps its 2L = 12 slots of each once,
+    plus the readers' scaled queries and softmax weights (L G = 6 rows of hd and 2L floats a
+    token and key/value head). The fast step keeps at least the 2 x (30 - 12) slots less, minus
+    those two buffers."""
+    L, Tn = 6, 12
+    model = make('moda', n_layer=L)
+    path = torch_block_paths()[residuals.MoDA]
+    idx = torch.randint(0, 64, (B, Tn), generator=torch.Generator().manual_seed(3))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def kept(fast_on):
+        storages = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:
+                storages[ptr] = t.untyped_storage().nbytes()
+            return t
+        if fast_on:
+            fast.enable(model, [path])
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(idx, idx)[1]
+            loss.backward()
+        finally:
+            fast.disable(model)
+        return sum(storages.values())
+    plain, have = kept(False), kept(True)
+    hd, Hkv = D // 4, 2
+    slot = B * Hkv * Tn * hd * 4                                           # one slot of K or V, bytes
+    rows = B * Hkv * Tn * L * (4 // Hkv) * (hd + 2 * L) * 4                # the queries' and weights' buffers
+    assert plain >= 2 * L * (L - 1) * slot                                  # the plain blocks keep their stacks
+    assert have <= plain - 2 * (L * (L - 1) - 2 * L) * slot + rows, (have, plain)
+
+
 def test_the_guard_refuses_sinkhorn_rounds_in_bf16(monkeypatch):
     """mHC's stream steps with each Sinkhorn normalisation rounded to bf16 (the rounds stay fp32 in the
     plain code: bf16 breaks the doubly-stochastic constraint): refused on the fp64 twin and, where the
