@@ -218,7 +218,8 @@ class DepthPart(torch.autograd.Function):
     logsumexp of the depth scores d_j = (q / sqrt(hd)) . K_j, fp32 (fp64 for fp64), y_dep (B, H,
     T, hd) their softmax-weighted values in q's dtype. Dtypes as `sdpa_attention`: scores and
     weighted values in q's dtype, softmax and lse in fp32. The scaled q and the softmax weights
-    go into the cache's rows of position S / 2 (`Cache`), kept once for all blocks, with y_dep.
+    go into the cache's rows of position S / 2 (`Cache`); the backward keeps the cache's four
+    buffers, each once for all blocks.
     The backward computes q's gradient and leaves the score and weighted values' gradients in
     the cache's rows: each slot's writer takes its gradient from them (`Cache.slot_grads`)."""
 
@@ -245,16 +246,16 @@ class DepthPart(torch.autograd.Function):
             y = torch.bmm(a.to(q.dtype), V)                                            # (N, G, hd)
         cache.readers.append(p)
         ctx.cache, ctx.S, ctx.shape = cache, S, (B, Hkv)
-        ctx.save_for_backward(alias(cache.Q), alias(cache.A), y)
+        ctx.save_for_backward(alias(cache.K), alias(cache.V), alias(cache.Q), alias(cache.A))  # each storage once
         ctx.set_materialize_grads(False)
         return _per_head(lse, B, Hkv), _per_head(y, B, Hkv)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_lse, g_y):
-        Q, A, y = ctx.saved_tensors
+        Kc, Vc, Q, A = ctx.saved_tensors
         cache, S, (B, Hkv) = ctx.cache, ctx.S, ctx.shape
-        N, G, hd = y.shape
+        N, hd, G = Q.size(0), Q.size(2), Q.size(1) // (Kc.size(3) // 2)
         p, rows = S // 2, slice(S // 2 * G, (S // 2 + 1) * G)
         qg, a = Q[:, rows], A[:, rows, :S]                                             # (N, G, hd), (N, G, S)
         acc, dt = a.dtype, qg.dtype
@@ -262,8 +263,8 @@ class DepthPart(torch.autograd.Function):
             cache.DD = torch.empty(A.shape, dtype=dt, device=A.device)                 # (N, L G, 2L)
             cache.GY = torch.empty(Q.shape, dtype=dt, device=Q.device)                 # (N, L G, hd)
         with no_autocast(qg):
-            K = cache.K.view(N, -1, hd)[:, :S].to(dt)                                  # (N, S, hd)
-            V = cache.V.view(N, -1, hd)[:, :S].to(dt)
+            K = Kc.view(N, -1, hd)[:, :S].to(dt)                                       # (N, S, hd)
+            V = Vc.view(N, -1, hd)[:, :S].to(dt)
             # dL/dd_j = a_j (g_y . (V_j - y_dep) + g_lse)
             dd = torch.zeros_like(a) if g_lse is None else _per_token(g_lse, Hkv).unsqueeze(-1) * a
             gy = cache.GY[:, rows]
@@ -271,8 +272,9 @@ class DepthPart(torch.autograd.Function):
                 gy.zero_()
             else:
                 gy.copy_(_per_token(g_y, Hkv))                                         # (N, G, hd)
-                D = (gy.to(acc) * y.to(acc)).sum(-1, keepdim=True)                     # (N, G, 1)
-                dd = dd + a * (torch.bmm(gy, V.transpose(1, 2)).to(acc) - D)
+                gV = torch.bmm(gy, V.transpose(1, 2)).to(acc)                          # (N, G, S)
+                D = (a * gV).sum(-1, keepdim=True)                                     # g_y . y_dep, (N, G, 1)
+                dd = dd + a * (gV - D)
             cache.DD[:, rows, :S].copy_(dd)
             dq = _per_head(torch.bmm(dd.to(dt), K), B, Hkv) * hd ** -0.5
         cache.done.append(p)
