@@ -468,8 +468,10 @@ def test_a_rungs_rows_by_hand():
     assert mini.rung_findings(dict(res, rungs=_rung([])), 5.0) == [] and mini.ladder(dict(res, rungs={})) == {}
     # five of the six seeds stated: the same numbers, no test (HC's row passed above at six)
     five = mini.rung_findings(dict(res, rungs=_rung([r for r in second if r['seed'] != 5])), 5.0)
-    assert [r['verdict'] for r in five] == [stats.INTERIM] * 5 and all(r['p_holm'] is None for r in five)
-    assert five[1]['n'] == 5 and five[1]['note'].startswith('5 of the 6 seeds stated')
+    assert [r['verdict'] for r in five] == [stats.INTERIM] * 5
+    assert all(r['p'] is None and r['p_holm'] is None and r['size'] is None for r in five)
+    assert five[1]['n'] == 5 and five[1]['note'] == '5 of the 6 seeds stated'
+    assert mini.format_verdicts(five).startswith('Of 5 rows, 0 are tested')
 
 
 def test_a_passing_row_carries_its_robustness_and_every_tested_row_its_power():
