@@ -459,7 +459,7 @@ def rung_findings(results, tpp):
     to this one, paired by seed, judged toward or away from the paper's size by the first
     rung's size() of the same seeds (stats.toward). Holm over these rows, a family of its own.
     Rows as findings()'s; [] when results hold no such rung. Until every seed of RUNG_SEEDS has
-    finished, every row is stats.INTERIM: its numbers shown, no Holm p, no verdict.
+    finished, every row is stats.INTERIM: its mean and interval shown, no p, no size verdict.
     """
     rung = (results.get('rungs') or {}).get(f"{tpp:g}")
     if not rung:
@@ -505,8 +505,9 @@ def rung_findings(results, tpp):
     rows = _judge(rows)
     if set(seeds) != set(RUNG_SEEDS):  # the rows were stated for these seeds: fewer are no test
         for r in rows:
-            r.update(verdict=stats.INTERIM, p_holm=None,
-                     note=f"{len(seeds)} of the {len(RUNG_SEEDS)} seeds stated; " + (r.get('note') or ''))
+            r.update(verdict=stats.INTERIM, p=None, p_holm=None, size=None,
+                     note='; '.join(x for x in (f"{len(seeds)} of the {len(RUNG_SEEDS)} seeds stated",
+                                                r.get('note')) if x))
     return rows
 
 
@@ -896,7 +897,8 @@ def report(results, out_dir, wrote=()):
     seeds = {len(stats.values(v)) for panel in points.values() for pts in panel.values() for _, v, _, _ in pts}
     mini_plots.plot_ladder(points, figures[2], "mini-DepthBench's training-length ladder: ≈0.8M-parameter backbone, "
                            f"byte-level text; the seeds both rungs have ({', '.join(map(str, sorted(seeds)))} per point), "
-                           "paired across rungs")
+                           "paired across rungs" + ("" if seeds <= {len(RUNG_SEEDS)} else
+                                                    f"; interim: {len(RUNG_SEEDS)} seeds stated, not tested"))
     for p in [*wrote, *figures]:
         if os.path.exists(p):
             print(f"wrote {p}")

@@ -104,7 +104,10 @@ def sweep_process(root, args, before=''):
 
 # a probe.py that says it has started, then works (sleeps) until it is ended
 SLOW_PROBE = """import os, sys, time
-open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'probing.pid'), 'w').write(str(os.getpid()))
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, 'probing.pid.tmp'), 'w') as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(here, 'probing.pid.tmp'), os.path.join(here, 'probing.pid'))  # whole when it appears
 time.sleep(120)
 """
 
