@@ -1027,6 +1027,12 @@ class MoDA(Residual):
         self.use_depth = use_depth
         self.layers = nn.ModuleList([MoDALayer(cfg, b < cfg.n_layer - 1) for b in range(cfg.n_layer)])
 
+    def notes(self):
+        """With one block MoDA has no depth: the block reads no slots and writes none."""
+        if self.cfg.n_layer == 1:
+            return ["MoDA with n_layer=1: its one block reads no depth slots (plain causal attention)"]
+        return []
+
     @torch.no_grad()
     def init_weights(self, model):
         super().init_weights(model)

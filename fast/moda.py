@@ -7,36 +7,39 @@ keys and values it reads into new (B, H_kv, T, 2p, hd) tensors, and autograd kee
 stack: sum_p 2p = L (L - 1) slots copied and saved per step. Here one cache (B, H_kv, T, 2L,
 hd) per keys and per values, in the dtype of the block's k, is allocated at the first block;
 each block writes its slots into it once (slot 2p: its own k, before RoPE, and v; slot 2p + 1:
-depth_kv of its FFN input) and every later block reads slots [0, 2p) in place (`DepthPart`),
-keeping only the cache's memory for its backward, and its scaled q and softmax weights (2L per
-query head and token) in two buffers of the cache, one row block per position. Backward, each
-reading block leaves its score and weighted values' gradients in the cache's rows; a slot's
-writer (`WriteSlots`) forms the slot's gradient in one product over its readers' rows
-(dK_j = sum_r dd_rj q_r, dV_j = sum_r a_rj dy_r) and hands it back to its entries when autograd
-reaches it, after every reader: an empty "token" tensor chains each read to the last write
-before it. A state's K and V tuples hold the cache's slots as written; a state whose slots are
-not the cache's frontier (one continued twice, one from the plain code) gets a cache of its
-own, its slots copied in, their gradient handed back to them.
+depth_kv of its FFN input) and every later block reads slots [0, 2p) in place
+(`DepthAttention`), keeping only the cache's memory for its backward, and its scaled q and
+joint depth weights (2L per query head and token) in two buffers of the cache, one row block
+per position. Backward, each reading block leaves its score and output gradients in the
+cache's rows; a slot's writer (`WriteSlots`) forms the slot's gradient in one product over its
+readers' rows (dK_j = sum_r dd_rj q_r, dV_j = sum_r a_rj dy_r) and hands it back to its entries
+when autograd reaches it, after every reader: an empty "token" tensor chains each read to the
+last write before it. A state's K and V tuples hold the cache's slots as written; a state whose
+slots are not the cache's frontier (one continued twice, one from the plain code) gets a cache
+of its own, its slots copied in, their gradient handed back to them.
 
-`sdpa_attention` (MoDA.attention) and the cached block's joint softmax: the same softmax
-without the explicit (T x (T + S)) score matrix, on fused `F.scaled_dot_product_attention`
-(flash attention on CUDA and on the CPU).
+The joint softmax of a cached block is two softmaxes merged by their logsumexps: the depth
+part over the cache (lse_dep, y_dep) and causal attention on the flash kernel with its
+logsumexp (`causal_lse`: o, lse_seq); y = o + w (y_dep - o) with w = exp(lse_dep - lse) and
+lse = logaddexp(lse_seq, lse_dep). The flash backward, given y and lse in place of its own o
+and lse_seq, returns the joint softmax's gradient for the sequence keys (`causal_lse_backward`),
+so no (T x (T + S)) score matrix exists forward or backward.
 
-The depth part collapses into one key per query: lse_t = log sum_j exp(d_tj) (fp32) and
-y_dep,t = softmax(d_t) . V_depth[t]. Shifting query t's sequence scores by -lse_t through one
-extra head dimension (q' = [q, -lse / scale], k' = [k, 1]) and prepending a null key (score 0,
-value e_hd) that every query sees (a dummy query at position 0 keeps the causal mask square)
-makes the kernel return o_t = sum_s a_ts v_s and o_t[hd] = the total depth weight, so
-y_t = o_t[:hd] + o_t[hd] * y_dep,t. Exact up to the rounding of the shift in q's dtype,
-which is corrected below for bf16 / fp16.
+`sdpa_attention` (MoDA.attention, the path of cached generation): the same softmax on fused
+`F.scaled_dot_product_attention`. The depth part collapses into one key per query: lse_t = log
+sum_j exp(d_tj) (fp32) and y_dep,t = softmax(d_t) . V_depth[t]. Shifting query t's sequence
+scores by -lse_t through one extra head dimension (q' = [q, -lse / scale], k' = [k, 1]) and
+prepending a null key (score 0, value e_hd) that every query sees (a dummy query at position 0
+keeps the causal mask square) makes the kernel return o_t = sum_s a_ts v_s and o_t[hd] = the
+total depth weight, so y_t = o_t[:hd] + o_t[hd] * y_dep,t. Exact up to the rounding of the
+shift in q's dtype, which is corrected below for bf16 / fp16.
 
-Dtypes: `sdpa_attention` as the plain code, with autocast off so that they stay what is
-written: the depth scores d in q's dtype (a matmul of q / sqrt(hd) and the depth keys, as the
-plain scores), their softmax and lse in fp32, the depth weights back in q's dtype for their
-matmul with the depth values; the depth keys and values are read in their own dtype (never
-copied to fp32; a skipped block's zero slot, fp32 among bf16 ones, is cast to q's dtype as
-autocast casts it for the plain matmuls). `DepthPart` keeps these dtypes, reading the slots
-from the cache (in the dtype of the block's k).
+Dtypes, as the plain code, with autocast off so that they stay what is written: the depth
+scores d in q's dtype (a matmul of q / sqrt(hd) and the depth keys, as the plain scores), their
+softmax and lse in fp32, the depth weights back in q's dtype for their matmul with the depth
+values; the depth keys and values are read in their own dtype (never copied to fp32; a skipped
+block's zero slot, fp32 among bf16 ones, is cast to q's dtype as autocast casts it for the
+plain matmuls). The cache holds the slots in the dtype of the block's k.
 """
 
 import weakref
@@ -211,24 +214,77 @@ def _per_head(t, B, Hkv):
     return t.view(B, Hkv, T, G, *t.shape[2:]).transpose(2, 3).reshape(B, Hkv * G, T, *t.shape[2:])
 
 
-class DepthPart(torch.autograd.Function):
-    """lse, y_dep = DepthPart.apply(cache, S, token, q): the depth part of the joint softmax of q
-    (B, H, T, hd) over slots [0, S) of the cache, read in place (one batched matrix product per
-    token and key/value head, the slots as strided views of the cache): lse (B, H, T) the
-    logsumexp of the depth scores d_j = (q / sqrt(hd)) . K_j, fp32 (fp64 for fp64), y_dep (B, H,
-    T, hd) their softmax-weighted values in q's dtype. Dtypes as `sdpa_attention`: scores and
-    weighted values in q's dtype, softmax and lse in fp32. The scaled q and the softmax weights
-    go into the cache's rows of position S / 2 (`Cache`); the backward keeps the cache's four
-    buffers, each once for all blocks.
-    The backward computes q's gradient and leaves the score and weighted values' gradients in
-    the cache's rows: each slot's writer takes its gradient from them (`Cache.slot_grads`)."""
+def flash_kernel(q):
+    """The flash kernel `causal_lse` runs for q (B, H, T, hd): 'cpu' on the CPU, 'cuda' on CUDA for
+    bf16 / fp16 with hd a multiple of 8 up to 256, else 'math' (explicit scores)."""
+    if q.device.type == 'cpu':
+        return 'cpu'
+    ok = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) % 8 == 0 and q.size(-1) <= 256
+    return 'cuda' if ok else 'math'
+
+
+def causal_lse(q, k, v, scale, kernel=None):
+    """Causal attention with its logsumexp: q, k, v (B, H, T, hd), one dtype -> o (B, H, T, hd) in q's
+    dtype, lse (B, H, T) fp32 (fp64 for fp64) and `how`, what `causal_lse_backward` needs. kernel:
+    'cpu', 'cuda' (the device's flash kernel) or 'math' (explicit (T x T) scores, as the plain
+    code); None = `flash_kernel(q)`."""
+    kernel = kernel or flash_kernel(q)
+    if kernel == 'cpu':
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return o, lse, ('cpu',)
+    if kernel == 'cuda':
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        return out[0], out[1], ('cuda',) + tuple(out[2:8])  # cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused
+    s = _causal_scores(q, k, scale)                                                    # (B, H, T, T), fp32
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)).to(q.dtype) @ v, lse, ('math',)
+
+
+def _causal_scores(q, k, scale):
+    T = q.size(2)
+    s = (q @ k.transpose(-1, -2) * scale).to(torch.promote_types(q.dtype, torch.float32))
+    return s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float('-inf'))
+
+
+def causal_lse_backward(dy, q, k, v, y, lse, scale, how):
+    """(dq, dk, dv) of the sequence part of a joint softmax whose output is y (B, H, T, hd) and
+    logsumexp lse (B, H, T): `causal_lse`'s backward given y and lse in place of its own output and
+    logsumexp. Its probabilities exp(s - lse) are then the joint softmax's over the sequence keys and
+    its D = rowsum(dy * y) the joint one, so that dS = P (dy . v - D) is the joint gradient's
+    sequence block (the merge of split softmaxes, as flash-decoding's)."""
+    if how[0] == 'cpu':
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy, q, k, v, y, lse, 0.0, True, scale=scale)
+    if how[0] == 'cuda':
+        cq, ck, mq, mk, rng, unused = how[1:]
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dy, q, k, v, y, lse, cq, ck, mq, mk, 0.0, True, rng, unused, scale=scale)
+    acc = lse.dtype
+    P = torch.exp(_causal_scores(q, k, scale) - lse.unsqueeze(-1))                    # (B, H, T, T)
+    dS = P * ((dy @ v.transpose(-1, -2)).to(acc) - (dy.to(acc) * y.to(acc)).sum(-1, keepdim=True))
+    dS = dS.to(q.dtype)
+    return dS @ k * scale, dS.transpose(-1, -2) @ q * scale, P.to(q.dtype).transpose(-1, -2) @ dy
+
+
+class DepthAttention(torch.autograd.Function):
+    """y = DepthAttention.apply(cache, S, token, q, k, v): MoDA.attention of q (B, H, T, hd) over the
+    sequence's k, v (B, H_kv, T, hd) and slots [0, S) of the cache, read in place. y (B, H, T, hd) in
+    q's dtype. One softmax over both key sets, in two parts merged by their logsumexps:
+      depth: d_j = (q / sqrt(hd)) . K_j in q's dtype, lse_dep and the weights in fp32 (as the plain
+             scores), y_dep = softmax(d) . V in q's dtype (one batched product per token and head);
+      sequence: `causal_lse`, o and lse_seq;
+      y = o + w (y_dep - o), w = exp(lse_dep - lse), lse = logaddexp(lse_seq, lse_dep).
+    The scaled q and the joint depth weights (w softmax(d)) go into the cache's rows of position
+    S / 2 (`Cache`). Backward: the sequence part by `causal_lse_backward` with y and lse; the depth
+    scores' gradient dd_j = a_j (dy . V_j - dy . y) with the joint weights a, q's share dd . K,
+    dd and dy left in the cache's rows for the slots' writers (`Cache.slot_grads`)."""
 
     @staticmethod
-    def forward(ctx, cache, S, token, q):
+    def forward(ctx, cache, S, token, q, k, v):
         B, H, T, hd = q.shape
         Hkv, L = cache.K.size(1), cache.K.size(3) // 2
         G, N, p = H // Hkv, B * Hkv * T, S // 2
-        acc = torch.promote_types(q.dtype, torch.float32)
+        acc, scale = torch.promote_types(q.dtype, torch.float32), hd ** -0.5
         if cache.Q is None:
             cache.Q = torch.empty(N, L * G, hd, dtype=q.dtype, device=q.device)
             cache.A = torch.empty(N, L * G, 2 * L, dtype=acc, device=q.device)
@@ -236,49 +292,58 @@ class DepthPart(torch.autograd.Function):
         rows = slice(p * G, (p + 1) * G)
         with no_autocast(q):
             qg = cache.Q[:, rows]                                                      # (N, G, hd): a view
-            torch.mul(_per_token(q, Hkv), hd ** -0.5, out=qg)                          # as the plain scores
+            torch.mul(_per_token(q, Hkv), scale, out=qg)                               # as the plain scores
             K = cache.K.view(N, -1, hd)[:, :S].to(q.dtype)                             # (N, S, hd): a view
             V = cache.V.view(N, -1, hd)[:, :S].to(q.dtype)
             d = torch.bmm(qg, K.transpose(1, 2)).to(acc)                               # (N, G, S)
-            lse = torch.logsumexp(d, dim=-1)                                           # (N, G)
+            lse_dep = torch.logsumexp(d, dim=-1)                                       # (N, G)
             a = cache.A[:, rows, :S]
-            torch.exp(d - lse.unsqueeze(-1), out=a)                                    # (N, G, S), fp32
-            y = torch.bmm(a.to(q.dtype), V)                                            # (N, G, hd)
+            torch.exp(d - lse_dep.unsqueeze(-1), out=a)                                # (N, G, S), fp32
+            y_dep = _per_head(torch.bmm(a.to(q.dtype), V), B, Hkv)                     # (B, H, T, hd)
+            ke, ve = (k, v) if G == 1 else (k.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
+            o, lse_seq, how = causal_lse(q, ke, ve, scale)                             # (B, H, T, hd), (B, H, T)
+            lse_dep = _per_head(lse_dep, B, Hkv)                                       # (B, H, T)
+            lse = torch.logaddexp(lse_seq.to(acc), lse_dep)                            # the joint softmax's
+            w = torch.exp(lse_dep - lse)                                               # its depth mass
+            a.mul_(_per_token(w, Hkv).unsqueeze(-1))                                   # the joint depth weights
+            y = torch.lerp(o, y_dep, w.unsqueeze(-1).to(q.dtype))                      # (B, H, T, hd)
         cache.readers.append(p)
-        ctx.cache, ctx.S, ctx.shape = cache, S, (B, Hkv)
-        ctx.save_for_backward(alias(cache.K), alias(cache.V), alias(cache.Q), alias(cache.A))  # each storage once
+        ctx.cache, ctx.S, ctx.how = cache, S, how
+        ctx.save_for_backward(alias(cache.K), alias(cache.V), alias(cache.Q), alias(cache.A),  # each storage once
+                              q, ke, ve, y, lse)
         ctx.set_materialize_grads(False)
-        return _per_head(lse, B, Hkv), _per_head(y, B, Hkv)
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_lse, g_y):
-        Kc, Vc, Q, A = ctx.saved_tensors
-        cache, S, (B, Hkv) = ctx.cache, ctx.S, ctx.shape
-        N, hd, G = Q.size(0), Q.size(2), Q.size(1) // (Kc.size(3) // 2)
-        p, rows = S // 2, slice(S // 2 * G, (S // 2 + 1) * G)
-        qg, a = Q[:, rows], A[:, rows, :S]                                             # (N, G, hd), (N, G, S)
-        acc, dt = a.dtype, qg.dtype
+    def backward(ctx, dy):
+        Kc, Vc, Q, A, q, ke, ve, y, lse = ctx.saved_tensors
+        cache, S = ctx.cache, ctx.S
+        B, H, T, hd = q.shape
+        Hkv = Kc.size(1)
+        N, G, scale = Q.size(0), H // Hkv, hd ** -0.5
+        rows = slice(S // 2 * G, (S // 2 + 1) * G)
+        a, dt = A[:, rows, :S], q.dtype                                                # (N, G, S): joint weights
         if cache.DD is None:
             cache.DD = torch.empty(A.shape, dtype=dt, device=A.device)                 # (N, L G, 2L)
             cache.GY = torch.empty(Q.shape, dtype=dt, device=Q.device)                 # (N, L G, hd)
-        with no_autocast(qg):
+        if dy is None:
+            dy = torch.zeros_like(y)
+        with no_autocast(q):
+            dq, dk, dv = causal_lse_backward(dy, q, ke, ve, y, lse, scale, ctx.how)
+            if G > 1:
+                dk, dv = (t.view(B, Hkv, G, T, hd).sum(2) for t in (dk, dv))
             K = Kc.view(N, -1, hd)[:, :S].to(dt)                                       # (N, S, hd)
             V = Vc.view(N, -1, hd)[:, :S].to(dt)
-            # dL/dd_j = a_j (g_y . (V_j - y_dep) + g_lse)
-            dd = torch.zeros_like(a) if g_lse is None else _per_token(g_lse, Hkv).unsqueeze(-1) * a
             gy = cache.GY[:, rows]
-            if g_y is None:
-                gy.zero_()
-            else:
-                gy.copy_(_per_token(g_y, Hkv))                                         # (N, G, hd)
-                gV = torch.bmm(gy, V.transpose(1, 2)).to(acc)                          # (N, G, S)
-                D = (a * gV).sum(-1, keepdim=True)                                     # g_y . y_dep, (N, G, 1)
-                dd = dd + a * (gV - D)
+            gy.copy_(_per_token(dy, Hkv))                                              # (N, G, hd)
+            gV = torch.bmm(gy, V.transpose(1, 2)).to(a.dtype)                          # (N, G, S)
+            D = torch.einsum('ngd,ngd->ng', gy, _per_token(y, Hkv)).to(a.dtype)          # dy . y, (N, G)
+            dd = a * (gV - D.unsqueeze(-1))                                            # dL/dd_j
             cache.DD[:, rows, :S].copy_(dd)
-            dq = _per_head(torch.bmm(dd.to(dt), K), B, Hkv) * hd ** -0.5
-        cache.done.append(p)
-        return None, None, torch.empty(0, dtype=cache.K.dtype, device=cache.K.device), dq
+            dq.add_(_per_head(torch.bmm((dd * scale).to(dt), K), B, Hkv))               # q's depth share
+        cache.done.append(S // 2)
+        return None, None, torch.empty(0, dtype=cache.K.dtype, device=cache.K.device), dq, dk, dv
 
 
 def cache_of(res, K, V, p, like):
@@ -323,8 +388,7 @@ def cached_block(self, state, b, layer, rope):
     if p == 0:
         y = attn.attend(qr, kr, v)        # plain causal attention
     else:
-        lse, y_dep = DepthPart.apply(cache, 2 * p, cache.token, qr)
-        y = joint(qr, kr, v, lse, y_dep)
+        y = DepthAttention.apply(cache, 2 * p, cache.token, qr, kr, v)
     h = h + attn.out(y)
     x = prm.mlp_norm(h)
     slots = [k, v]

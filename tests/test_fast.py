@@ -254,6 +254,33 @@ def test_moda_sdpa_bf16_corrects_the_rounded_shift():
     assert err(sdpa_attention) < 1.1 * plain
 
 
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_moda_causal_attention_with_its_logsumexp_on_explicit_scores_equals_the_flash_kernel(dtype):
+    """fast.moda.causal_lse's explicit-scores form (CUDA in fp32 / fp64, where no flash kernel runs)
+    against the CPU's flash kernel: o and lse forward; backward given another output y and
+    logsumexp (the joint softmax's: lse_seq + 0.7, y = 0.6 o + noise), dq, dk and dv equal, and
+    equal to an independent hand-written form (P = exp(s - lse), dS = P (dy . v - dy . y))."""
+    from fast.moda import causal_lse, causal_lse_backward
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dy, noise = (torch.randn(2, 3, 11, 8, generator=g, dtype=dtype) for _ in range(5))
+    scale = 8 ** -0.5
+    o, lse, how = causal_lse(q, k, v, scale, kernel='cpu')
+    o_m, lse_m, how_m = causal_lse(q, k, v, scale, kernel='math')
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(o_m, o, **tol)
+    torch.testing.assert_close(lse_m, lse, **tol)
+    y, lse_j = 0.6 * o + 0.1 * noise, lse + 0.7
+    flash = causal_lse_backward(dy, q, k, v, y, lse_j, scale, how)
+    math_ = causal_lse_backward(dy, q, k, v, y, lse_j, scale, how_m)
+    s = (q @ k.transpose(-1, -2)) * scale + torch.full((11, 11), float('-inf'), dtype=dtype).triu(1)
+    P = torch.exp(s - lse_j.unsqueeze(-1))
+    dS = P * (dy @ v.transpose(-1, -2) - (dy * y).sum(-1, keepdim=True))
+    hand = (dS @ k * scale, dS.transpose(-1, -2) @ q * scale, P.transpose(-1, -2) @ dy)
+    for a, b, c in zip(flash, math_, hand):
+        torch.testing.assert_close(b, a, **tol)
+        torch.testing.assert_close(c, a, **tol)
+
+
 class Outputs(TorchDispatchMode):
     """Records (dtype, numel) of every tensor an op makes."""
 
@@ -808,12 +835,14 @@ def planted_moda(old, new):
     ("v = torch.bmm(self.A[:, r, j:j + n].transpose(1, 2).to(self.GY.dtype), self.GY[:, r])",
      "v = 1.01 * torch.bmm(self.A[:, r, j:j + n].transpose(1, 2).to(self.GY.dtype), self.GY[:, r])", False),
     ("g = grads[j0 + i][c]", "g = grads[max(j0 + i - 1, j0)][c]", False),
+    ("a.mul_(_per_token(w, Hkv).unsqueeze(-1))", "pass", False),
 ], ids=['moda-depth-keys-read-one-slot-late', 'moda-a-key-slot-off-by-one', 'moda-depth-value-gradient-1.01x',
-        'moda-slot-gradient-off-by-one'])
+        'moda-slot-gradient-off-by-one', 'moda-depth-weights-not-joint'])
 def test_the_guard_refuses_a_depth_cache_error(old, new, forward):
     """MoDA's depth cache with a planted error: a block reading the keys one slot late, a key written
     into the slot of the one before, the depth values' gradient 1% too large, a slot handed the
-    gradient of the one before: refused on the fp64 twin in one line, on the logits when the forward is wrong,
+    gradient of the one before, the depth weights the backward uses left relative to the depth
+    part's softmax (not the joint one's): refused on the fp64 twin in one line, on the logits when the forward is wrong,
     on a gradient (not the logits) when only the backward is."""
     model = make('moda')
     path = planted_moda(old, new)
