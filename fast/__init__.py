@@ -21,7 +21,8 @@ line.
 | mhc_streams_triton        | MultiStream.block (mHC)          | CUDA, triton        | the same                             |
 | hc_streams_torch          | MultiStream.block (HC)           | any device          | fast/streams.py TorchOps             |
 | mhc_streams_torch         | MultiStream.block (mHC)          | any device          | the same                             |
-| moda_depth_cache          | MoDA.block (depth slots, softmax)| any device          | fast/moda.py: one cache, read in place |
+| moda_depth_cache_triton   | MoDA.block (depth slots, softmax)| CUDA, triton        | fast/moda.py on moda_kernels         |
+| moda_depth_cache          | MoDA.block (depth slots, softmax)| any device          | fast/moda.py TorchOps: one cache, read in place |
 | moda_sdpa                 | MoDA.attention (joint softmax)   | any device          | fast/moda.py: null key on fused SDPA |
 
 Where both forms of a piece apply, the first listed wins. Without Triton or liger-kernel a
@@ -30,7 +31,7 @@ reads each source once per group of 8 reads, where fla-core's kernel (`FLA_READ`
 kept to measure against) reads every source at every read. Measured (fast / plain step time,
 same process, interleaved; `python bench.py --suite=fast`; docs/performance.md has the table
 with its machine): on a 2-core CPU, eager, the step takes 0.45x the plain one for Full AttnRes
-and 0.69x for Block AttnRes (the torch forms), 0.96x for MoDA, and 1.05x for mHC and 1.10x for
+and 0.69x for Block AttnRes (the torch forms), 0.77x for MoDA, and 1.05x for mHC and 1.10x for
 HC (the fused stream steps' torch form: no win on the CPU). The CUDA
 kernels and the torch forms on CUDA are not yet measured (tools/gpu_check.py times each against
 the plain code; docs/gpu.md); `bench.py --suite=step` estimates them.
@@ -110,8 +111,11 @@ FAST_PATHS = [
              'fused stream steps (Triton)', cuda_only=True, package='triton'),
     FastPath('hc_streams_torch', residuals.HC, 'block', streams.block(streams.TorchOps), 'fused stream steps (torch)'),
     FastPath('mhc_streams_torch', residuals.MHC, 'block', streams.block(streams.TorchOps), 'fused stream steps (torch)'),
+    FastPath('moda_depth_cache_triton', residuals.MoDA, 'block', moda.cached_block_triton,
+             'depth slots written once into one cache, read in place (Triton); flash attention merged by logsumexp',
+             cuda_only=True, package='triton'),
     FastPath('moda_depth_cache', residuals.MoDA, 'block', moda.cached_block,
-             'depth slots written once into one cache, read in place; null key on SDPA'),
+             'depth slots written once into one cache, read in place (torch); flash attention merged by logsumexp'),
     FastPath('moda_sdpa', residuals.MoDA, 'attention', moda.sdpa_attention, 'null key on SDPA'),
 ]
 

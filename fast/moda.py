@@ -23,7 +23,9 @@ part over the cache (lse_dep, y_dep) and causal attention on the flash kernel wi
 logsumexp (`causal_lse`: o, lse_seq); y = o + w (y_dep - o) with w = exp(lse_dep - lse) and
 lse = logaddexp(lse_seq, lse_dep). The flash backward, given y and lse in place of its own o
 and lse_seq, returns the joint softmax's gradient for the sequence keys (`causal_lse_backward`),
-so no (T x (T + S)) score matrix exists forward or backward.
+so no (T x (T + S)) score matrix exists forward or backward. The depth part's steps run as
+torch ops (`TorchOps`, any device) or as one Triton kernel each way (`TritonOps`,
+fast/moda_kernels.py: per block one pass over the slots it reads forward and one backward).
 
 `sdpa_attention` (MoDA.attention, the path of cached generation): the same softmax on fused
 `F.scaled_dot_product_attention`. The depth part collapses into one key per query: lse_t = log
@@ -39,7 +41,8 @@ scores d in q's dtype (a matmul of q / sqrt(hd) and the depth keys, as the plain
 softmax and lse in fp32, the depth weights back in q's dtype for their matmul with the depth
 values; the depth keys and values are read in their own dtype (never copied to fp32; a skipped
 block's zero slot, fp32 among bf16 ones, is cast to q's dtype as autocast casts it for the
-plain matmuls). The cache holds the slots in the dtype of the block's k.
+plain matmuls). The cache holds the slots in the dtype of the block's k. The Triton kernels keep
+the depth scores, weights and values in fp32 up to the output, as flash attention does.
 """
 
 import weakref
@@ -47,6 +50,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from perf.launch import launch
 from residuals import MoDA, no_autocast
 
 
@@ -266,12 +270,111 @@ def causal_lse_backward(dy, q, k, v, y, lse, scale, how):
     return dS @ k * scale, dS.transpose(-1, -2) @ q * scale, P.to(q.dtype).transpose(-1, -2) @ dy
 
 
+class TorchOps:
+    """The depth part of `DepthAttention` as torch ops (any device, any dtype)."""
+
+    @staticmethod
+    def forward(cache, S, q, o, lse_seq):
+        """The depth part over slots [0, S) of the cache and its merge with the sequence part
+        (o, lse_seq): writes the scaled q and the joint depth weights into the cache's rows of
+        position S / 2; returns y (B, H, T, hd) in q's dtype and the joint lse (B, H, T)."""
+        B, H, T, hd = q.shape
+        Hkv = cache.K.size(1)
+        G, N, p = H // Hkv, B * Hkv * T, S // 2
+        acc, rows = cache.A.dtype, slice(p * G, (p + 1) * G)
+        qg = cache.Q[:, rows]                                                          # (N, G, hd): a view
+        torch.mul(_per_token(q, Hkv), hd ** -0.5, out=qg)                              # as the plain scores
+        K = cache.K.view(N, -1, hd)[:, :S].to(q.dtype)                                 # (N, S, hd): a view
+        V = cache.V.view(N, -1, hd)[:, :S].to(q.dtype)
+        d = torch.bmm(qg, K.transpose(1, 2)).to(acc)                                   # (N, G, S)
+        lse_dep = torch.logsumexp(d, dim=-1)                                           # (N, G)
+        a = cache.A[:, rows, :S]
+        torch.exp(d - lse_dep.unsqueeze(-1), out=a)                                    # (N, G, S), fp32
+        y_dep = _per_head(torch.bmm(a.to(q.dtype), V), B, Hkv)                         # (B, H, T, hd)
+        lse_dep = _per_head(lse_dep, B, Hkv)                                           # (B, H, T)
+        lse = torch.logaddexp(lse_seq.to(acc), lse_dep)                                # the joint softmax's
+        w = torch.exp(lse_dep - lse)                                                   # its depth mass
+        a.mul_(_per_token(w, Hkv).unsqueeze(-1))                                       # the joint depth weights
+        return torch.lerp(o, y_dep, w.unsqueeze(-1).to(q.dtype)), lse                  # (B, H, T, hd)
+
+    @staticmethod
+    def backward(cache, S, dy, y, dq):
+        """The depth part's backward: dd_j = a_j (dy . V_j - dy . y) and dy into the cache's rows of
+        position S / 2, q's share dd . K / sqrt(hd) added into dq (B, H, T, hd), in place."""
+        B, H, T, hd = dy.shape
+        Hkv = cache.K.size(1)
+        G, N, dt = H // Hkv, B * Hkv * T, dq.dtype
+        rows = slice(S // 2 * G, (S // 2 + 1) * G)
+        a = cache.A[:, rows, :S]                                                       # (N, G, S): joint weights
+        K = cache.K.view(N, -1, hd)[:, :S].to(dt)                                      # (N, S, hd)
+        V = cache.V.view(N, -1, hd)[:, :S].to(dt)
+        gy = cache.GY[:, rows]
+        gy.copy_(_per_token(dy, Hkv))                                                  # (N, G, hd)
+        gV = torch.bmm(gy, V.transpose(1, 2)).to(a.dtype)                              # (N, G, S)
+        D = torch.einsum('ngd,ngd->ng', gy, _per_token(y, Hkv)).to(a.dtype)              # dy . y, (N, G)
+        dd = a * (gV - D.unsqueeze(-1))                                                # dL/dd_j
+        cache.DD[:, rows, :S].copy_(dd)
+        dq.add_(_per_head(torch.bmm((dd * hd ** -0.5).to(dt), K), B, Hkv))              # q's depth share
+
+
+class TritonOps:
+    """TorchOps' steps as one launch each of fast/moda_kernels.py (CUDA or Triton's interpreter),
+    one program per query row. The cache in another dtype than q, q not fp32 / bf16 / fp16 (fp64),
+    or a tensor whose features are not contiguous: TorchOps' code."""
+
+    @staticmethod
+    def _torch(cache, q, *more):
+        return q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or cache.K.dtype != q.dtype or \
+            any(t.stride(-1) != 1 for t in (q,) + more)
+
+    @staticmethod
+    def _shape(cache, S, q):
+        B, H, T, hd = q.shape
+        Hkv = cache.K.size(1)
+        G, N = H // Hkv, B * Hkv * T
+        rows = slice(S // 2 * G, (S // 2 + 1) * G)
+        kv = dict(K=cache.K.view(N, -1, hd)[:, :S], V=cache.V.view(N, -1, hd)[:, :S], s_kv=cache.K.size(3) * hd,
+                  s_a=cache.A.stride(0), s_ar=cache.A.stride(1), S=S, T=T, HKV=Hkv, G=G, scale=hd ** -0.5, HD=hd,
+                  SP=triton_next_pow2(S), HDP=triton_next_pow2(hd))
+        return N * G, rows, kv
+
+    @staticmethod
+    def forward(cache, S, q, o, lse_seq):
+        if TritonOps._torch(cache, q, o):
+            return TorchOps.forward(cache, S, q, o, lse_seq)
+        R, rows, kv = TritonOps._shape(cache, S, q)
+        y, lse = torch.empty_like(o), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        Q, A = cache.Q[:, rows], cache.A[:, rows, :S]
+        launch('fast.moda_kernels', 'depth_fwd', (R,), reads=('q', 'o', 'ls', 'K', 'V'), writes=('Q', 'A', 'y', 'lse'),
+               flops=4 * R * S * kv['HD'], q=q, sq_b=q.stride(0), sq_h=q.stride(1), sq_t=q.stride(2), o=o,
+               so_b=o.stride(0), so_h=o.stride(1), so_t=o.stride(2), ls=lse_seq, sl_b=lse_seq.stride(0),
+               sl_h=lse_seq.stride(1), sl_t=lse_seq.stride(2), Q=Q, A=A, s_q=cache.Q.stride(0), y=y,
+               sy_b=y.stride(0), sy_h=y.stride(1), sy_t=y.stride(2), lse=lse, **kv)
+        return y, lse
+
+    @staticmethod
+    def backward(cache, S, dy, y, dq):
+        if TritonOps._torch(cache, dq, dy, y):
+            return TorchOps.backward(cache, S, dy, y, dq)
+        R, rows, kv = TritonOps._shape(cache, S, dq)
+        A, DD, GY = cache.A[:, rows, :S], cache.DD[:, rows, :S], cache.GY[:, rows]
+        launch('fast.moda_kernels', 'depth_bwd', (R,), reads=('dy', 'y', 'K', 'V', 'A', 'dq'), writes=('DD', 'GY', 'dq'),
+               flops=4 * R * S * kv['HD'], dy=dy, sd_b=dy.stride(0), sd_h=dy.stride(1), sd_t=dy.stride(2), y=y,
+               sy_b=y.stride(0), sy_h=y.stride(1), sy_t=y.stride(2), A=A, DD=DD, GY=GY, s_g=cache.GY.stride(0),
+               dq=dq, sq_b=dq.stride(0), sq_h=dq.stride(1), sq_t=dq.stride(2), **kv)
+
+
+def triton_next_pow2(n):
+    return 1 << max(0, (n - 1).bit_length())
+
+
 class DepthAttention(torch.autograd.Function):
-    """y = DepthAttention.apply(cache, S, token, q, k, v): MoDA.attention of q (B, H, T, hd) over the
-    sequence's k, v (B, H_kv, T, hd) and slots [0, S) of the cache, read in place. y (B, H, T, hd) in
-    q's dtype. One softmax over both key sets, in two parts merged by their logsumexps:
+    """y = DepthAttention.apply(cache, S, token, ops, q, k, v): MoDA.attention of q (B, H, T, hd)
+    over the sequence's k, v (B, H_kv, T, hd) and slots [0, S) of the cache, read in place. y
+    (B, H, T, hd) in q's dtype. One softmax over both key sets, in two parts merged by their
+    logsumexps (`ops`: TorchOps or TritonOps):
       depth: d_j = (q / sqrt(hd)) . K_j in q's dtype, lse_dep and the weights in fp32 (as the plain
-             scores), y_dep = softmax(d) . V in q's dtype (one batched product per token and head);
+             scores), y_dep = softmax(d) . V in q's dtype;
       sequence: `causal_lse`, o and lse_seq;
       y = o + w (y_dep - o), w = exp(lse_dep - lse), lse = logaddexp(lse_seq, lse_dep).
     The scaled q and the joint depth weights (w softmax(d)) go into the cache's rows of position
@@ -280,35 +383,20 @@ class DepthAttention(torch.autograd.Function):
     dd and dy left in the cache's rows for the slots' writers (`Cache.slot_grads`)."""
 
     @staticmethod
-    def forward(ctx, cache, S, token, q, k, v):
+    def forward(ctx, cache, S, token, ops, q, k, v):
         B, H, T, hd = q.shape
         Hkv, L = cache.K.size(1), cache.K.size(3) // 2
         G, N, p = H // Hkv, B * Hkv * T, S // 2
-        acc, scale = torch.promote_types(q.dtype, torch.float32), hd ** -0.5
         if cache.Q is None:
             cache.Q = torch.empty(N, L * G, hd, dtype=q.dtype, device=q.device)
-            cache.A = torch.empty(N, L * G, 2 * L, dtype=acc, device=q.device)
+            cache.A = torch.empty(N, L * G, 2 * L, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         assert cache.Q.dtype == q.dtype and p not in cache.readers, "one read per position, in one dtype"
-        rows = slice(p * G, (p + 1) * G)
         with no_autocast(q):
-            qg = cache.Q[:, rows]                                                      # (N, G, hd): a view
-            torch.mul(_per_token(q, Hkv), scale, out=qg)                               # as the plain scores
-            K = cache.K.view(N, -1, hd)[:, :S].to(q.dtype)                             # (N, S, hd): a view
-            V = cache.V.view(N, -1, hd)[:, :S].to(q.dtype)
-            d = torch.bmm(qg, K.transpose(1, 2)).to(acc)                               # (N, G, S)
-            lse_dep = torch.logsumexp(d, dim=-1)                                       # (N, G)
-            a = cache.A[:, rows, :S]
-            torch.exp(d - lse_dep.unsqueeze(-1), out=a)                                # (N, G, S), fp32
-            y_dep = _per_head(torch.bmm(a.to(q.dtype), V), B, Hkv)                     # (B, H, T, hd)
             ke, ve = (k, v) if G == 1 else (k.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
-            o, lse_seq, how = causal_lse(q, ke, ve, scale)                             # (B, H, T, hd), (B, H, T)
-            lse_dep = _per_head(lse_dep, B, Hkv)                                       # (B, H, T)
-            lse = torch.logaddexp(lse_seq.to(acc), lse_dep)                            # the joint softmax's
-            w = torch.exp(lse_dep - lse)                                               # its depth mass
-            a.mul_(_per_token(w, Hkv).unsqueeze(-1))                                   # the joint depth weights
-            y = torch.lerp(o, y_dep, w.unsqueeze(-1).to(q.dtype))                      # (B, H, T, hd)
+            o, lse_seq, how = causal_lse(q, ke, ve, hd ** -0.5)                        # (B, H, T, hd), (B, H, T)
+            y, lse = ops.forward(cache, S, q, o, lse_seq)
         cache.readers.append(p)
-        ctx.cache, ctx.S, ctx.how = cache, S, how
+        ctx.cache, ctx.S, ctx.how, ctx.ops = cache, S, how, ops
         ctx.save_for_backward(alias(cache.K), alias(cache.V), alias(cache.Q), alias(cache.A),  # each storage once
                               q, ke, ve, y, lse)
         ctx.set_materialize_grads(False)
@@ -317,33 +405,22 @@ class DepthAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        Kc, Vc, Q, A, q, ke, ve, y, lse = ctx.saved_tensors
+        _, _, Q, A, q, ke, ve, y, lse = ctx.saved_tensors
         cache, S = ctx.cache, ctx.S
         B, H, T, hd = q.shape
-        Hkv = Kc.size(1)
-        N, G, scale = Q.size(0), H // Hkv, hd ** -0.5
-        rows = slice(S // 2 * G, (S // 2 + 1) * G)
-        a, dt = A[:, rows, :S], q.dtype                                                # (N, G, S): joint weights
+        G = H // cache.K.size(1)
         if cache.DD is None:
-            cache.DD = torch.empty(A.shape, dtype=dt, device=A.device)                 # (N, L G, 2L)
-            cache.GY = torch.empty(Q.shape, dtype=dt, device=Q.device)                 # (N, L G, hd)
+            cache.DD = torch.empty(A.shape, dtype=q.dtype, device=A.device)            # (N, L G, 2L)
+            cache.GY = torch.empty(Q.shape, dtype=q.dtype, device=Q.device)            # (N, L G, hd)
         if dy is None:
             dy = torch.zeros_like(y)
         with no_autocast(q):
-            dq, dk, dv = causal_lse_backward(dy, q, ke, ve, y, lse, scale, ctx.how)
+            dq, dk, dv = causal_lse_backward(dy, q, ke, ve, y, lse, hd ** -0.5, ctx.how)
             if G > 1:
-                dk, dv = (t.view(B, Hkv, G, T, hd).sum(2) for t in (dk, dv))
-            K = Kc.view(N, -1, hd)[:, :S].to(dt)                                       # (N, S, hd)
-            V = Vc.view(N, -1, hd)[:, :S].to(dt)
-            gy = cache.GY[:, rows]
-            gy.copy_(_per_token(dy, Hkv))                                              # (N, G, hd)
-            gV = torch.bmm(gy, V.transpose(1, 2)).to(a.dtype)                          # (N, G, S)
-            D = torch.einsum('ngd,ngd->ng', gy, _per_token(y, Hkv)).to(a.dtype)          # dy . y, (N, G)
-            dd = a * (gV - D.unsqueeze(-1))                                            # dL/dd_j
-            cache.DD[:, rows, :S].copy_(dd)
-            dq.add_(_per_head(torch.bmm((dd * scale).to(dt), K), B, Hkv))               # q's depth share
+                dk, dv = (t.view(B, -1, G, T, hd).sum(2) for t in (dk, dv))
+            ctx.ops.backward(cache, S, dy, y, dq)
         cache.done.append(S // 2)
-        return None, None, torch.empty(0, dtype=cache.K.dtype, device=cache.K.device), dq, dk, dv
+        return None, None, torch.empty(0, dtype=cache.K.dtype, device=cache.K.device), None, dq, dk, dv
 
 
 def cache_of(res, K, V, p, like):
@@ -369,8 +446,15 @@ def _write(cache, j0, slots):
     return entries
 
 
-@torch.compiler.disable  # Python state (the cache) across blocks: runs eagerly inside a compiled model
-def cached_block(self, state, b, layer, rope):
+def block(ops):
+    """MoDA.block on the depth cache with the depth part's steps in `ops` (TorchOps or TritonOps)."""
+    @torch.compiler.disable  # Python state (the cache) across blocks: runs eagerly inside a compiled model
+    def cached_block(self, state, b, layer, rope):
+        return _cached_block(self, state, b, layer, rope, ops)
+    return cached_block
+
+
+def _cached_block(self, state, b, layer, rope, ops):
     """MoDA.block on the depth cache (module docstring): the same state in, the same state out,
     its K and V entries the cache's slots. Generation (a KV cache on the attention) and
     use_depth=False take the plain block."""
@@ -388,7 +472,7 @@ def cached_block(self, state, b, layer, rope):
     if p == 0:
         y = attn.attend(qr, kr, v)        # plain causal attention
     else:
-        y = DepthAttention.apply(cache, 2 * p, cache.token, qr, kr, v)
+        y = DepthAttention.apply(cache, 2 * p, cache.token, ops, qr, kr, v)
     h = h + attn.out(y)
     x = prm.mlp_norm(h)
     slots = [k, v]
@@ -398,3 +482,7 @@ def cached_block(self, state, b, layer, rope):
     K, V = K[:2 * p] + tuple(entries[0::2]) + K[2 * p + len(entries) // 2:], \
         V[:2 * p] + tuple(entries[1::2]) + V[2 * p + len(entries) // 2:]
     return h + layer.mlp(x), K, V, p + 1
+
+
+cached_block = block(TorchOps)
+cached_block_triton = block(TritonOps)

@@ -230,6 +230,17 @@ def case_streams(scheme, dtype, m=4, programs=3, **kw):
         st.TritonOps.PROGRAMS = saved
 
 
+def case_moda(dtype, n_kv_head=4):
+    """MoDA's depth cache on its Triton kernels (fast.moda.TritonOps) and the plain MoDA.block, each
+    against the plain model in fp64: a 4-block model (reads of 2, 4 and 6 slots: tiles of 2, 4 and
+    8 with masked slots), hd = 10 (a tile of 16 features, 6 masked), N = 10 tokens, G = 1 or 2
+    query heads a key/value head, fp32 or under bf16 autocast. Returns `_whole_model`'s rows."""
+    from fast import moda
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_embd=40, n_head=4, n_kv_head=n_kv_head,
+                    residual='moda')
+    return _whole_model(cfg, lambda res: moda.cached_block_triton.__get__(res), dtype)
+
+
 def _whole_model(cfg, fast_block, dtype):
     """([(fast, plain) error of the loss], [... of each parameter's gradient]) of a training step of
     GPT(cfg) with its scheme's block replaced by `fast_block(res)` and plain, against fp64."""
@@ -320,6 +331,13 @@ PLANTS = {
     # the read's share of the streams' gradient (A_m (x) dx) dropped: one of the streams' uses
     'stream_gradient_missing_a_use': ('fast.stream_kernels', "            G += a_m[:, None] * dxv[None, :]\n", "",
                                       'hc', lambda: case_streams('hc', 'fp32')),
+    # MoDA: the depth weights the backward reads left relative to the depth part (not the joint softmax)
+    'moda_weights_not_joint': ('fast.moda_kernels', "    tl.store(A + n * s_a + g * s_ar + fs, a * w, mask=ms)\n",
+                               "    tl.store(A + n * s_a + g * s_ar + fs, a, mask=ms)\n", 'moda',
+                               lambda: case_moda('fp32')),
+    # MoDA: D = dy . y dropped from the depth scores' gradient
+    'moda_score_gradient_without_D': ('fast.moda_kernels', "    dd = a * (gV - D)\n", "    dd = a * gV\n", 'moda',
+                                      lambda: case_moda('fp32')),
     # every Sinkhorn normalisation rounded to bf16, forward and in the backward's recomputation
     'sinkhorn_rounds_in_bf16': ('fast.stream_kernels', "    return tl.where(vm, P / s, 0.0), s\n",
                                 "    return tl.where(vm, (P / s).to(tl.bfloat16).to(tl.float32), 0.0), s\n",
@@ -371,6 +389,11 @@ CASES['streams_mhc_bf16'] = lambda: case_streams('mhc', 'bf16', mhc_sinkhorn_ite
 CASES['streams_mhc_m3'] = lambda: case_streams('mhc', 'fp32', m=3, mhc_sinkhorn_iters=5)
 CASES['streams_mhc_plain'] = lambda: case_streams('mhc', 'fp32', mhc_sinkhorn='plain', mhc_sinkhorn_iters=5)
 CASES['guard_streams'] = lambda: case_guard_fused('hc', 'mhc')
+CASES['moda_fp32'] = lambda: case_moda('fp32')
+CASES['moda_bf16'] = lambda: case_moda('bf16')
+CASES['moda_gqa_fp32'] = lambda: case_moda('fp32', n_kv_head=2)
+CASES['moda_gqa_bf16'] = lambda: case_moda('bf16', n_kv_head=2)
+CASES['guard_moda'] = lambda: case_guard_fused('moda')
 for _name in PLANTS:
     CASES[f'planted_{_name}'] = lambda a=_name: case_planted(a)
 CASES['depth_attnres_G3_weights'] = lambda: case_depth('attnres', 3, 'fp32', weighted=True)

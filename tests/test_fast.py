@@ -687,7 +687,7 @@ def test_the_twin_reads_every_branch_of_every_scheme():
     ('hc', {}, ['hc_streams_triton']),
     ('mhc', {}, ['mhc_streams_triton']),
     ('mhc', {'mhc_sinkhorn': 'plain'}, ['mhc_streams_triton']),
-    ('moda', {}, ['moda_depth_cache', 'moda_sdpa']),
+    ('moda', {}, ['moda_depth_cache_triton', 'moda_sdpa']),
 ])
 def test_the_cuda_kernel_is_preferred_where_two_paths_apply(residual, cfg_kw, names, monkeypatch):
     """With CUDA and both packages (faked), select takes the kernel over the torch form of the

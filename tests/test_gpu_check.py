@@ -67,6 +67,8 @@ def test_prepare_then_carry_then_every_stage_in_the_summary(data_dir, tmp_path, 
     reads = st['reads']['result']['reads']
     assert set(reads['attnres depth reads, 6 reads']) == {'plain', 'attnres_group_torch'}
     assert set(reads['blockattnres depth reads, 6 reads']) == {'plain', 'blockattnres_group_torch'}
+    assert set(reads['moda blocks, 3 blocks, micro-batch 2']) == {'plain', 'moda_depth_cache'}
+    assert all(isinstance(ms, float) for row in reads.values() for ms in row.values())  # each form ran
 
 
 def test_missing_kernels_are_said_loudly(tmp_path):

@@ -32,7 +32,7 @@ def run(*args, timeout=600):
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow  # ~2 minutes: ~60 variants, two targets each
+@pytest.mark.slow  # ~2 minutes: ~70 variants, two targets each
 @needs_triton
 def test_every_kernel_variant_builds_for_sm80_and_sm90_without_spills(tmp_path):
     out = tmp_path / 'kernels.json'
@@ -42,8 +42,11 @@ def test_every_kernel_variant_builds_for_sm80_and_sm90_without_spills(tmp_path):
     assert r.returncode == 0 and not bad, bad or r.stderr[-2000:]
     # the variants are the launches of a real step: every kernel, both schemes, both targets
     assert {x['kernel'] for x in rows} == {'phase1_fwd', 'phase2_fwd', 'sum_phase2_fwd', 'contribute_bwd', 'finish_bwd',
-                                           'hc_fwd', 'hc_bwd', 'mhc_fwd', 'mhc_bwd', 'mhc_bwd_coef'}
-    assert {x['scheme'] for x in rows} == {'attnres', 'blockattnres', 'hc', 'mhc'}
+                                           'hc_fwd', 'hc_bwd', 'mhc_fwd', 'mhc_bwd', 'mhc_bwd_coef', 'depth_fwd', 'depth_bwd'}
+    assert {x['scheme'] for x in rows} == {'attnres', 'blockattnres', 'hc', 'mhc', 'moda'}
+    # MoDA's reads of 2 to 62 slots: tiles of 2 to 64 slots, each compiled
+    tiles = {int(x['variant'].split('SP=')[1].split()[0]) for x in rows if x['kernel'] == 'depth_fwd'}
+    assert tiles == {2, 4, 8, 16, 32, 64}
     assert {x['arch'] for x in rows} == {80, 90}
     assert any('R=8' in x['variant'] for x in rows if x['kernel'] == 'contribute_bwd')  # a full group's backward
     assert all(x['registers'] > 0 for x in rows)

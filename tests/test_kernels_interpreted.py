@@ -124,7 +124,9 @@ def test_kernels_match_the_plain_methods():
 # The fused stream steps of HC and mHC (fast/stream_kernels.py), each over a whole tiny model: the
 # loss and every parameter's gradient
 STREAMS = {'hc': ['streams_hc_fp32', 'streams_hc_bf16', 'streams_hc_m3'],
-           'mhc': ['streams_mhc_fp32', 'streams_mhc_bf16', 'streams_mhc_m3', 'streams_mhc_plain']}
+           'mhc': ['streams_mhc_fp32', 'streams_mhc_bf16', 'streams_mhc_m3', 'streams_mhc_plain'],
+           # MoDA's depth cache (fast/moda_kernels.py): reads of 2, 4 and 6 slots, hd = 10, G = 1 and 2
+           'moda': ['moda_fp32', 'moda_bf16', 'moda_gqa_fp32', 'moda_gqa_bf16']}
 
 
 def within_rule(row):
@@ -140,7 +142,9 @@ def test_fused_kernels_match_the_plain_block(scheme):
     (+ 1e-5): fp32 and bf16 autocast; d = 24 (blocks of 32 lanes: masked), N = 10 tokens (HC's
     backward programs over a remainder, mHC's blocks of 64 tokens: partial), m = 3 streams (one of
     4 lanes masked), mHC's both Sinkhorn orders; a 3-block model (the first read, the steps that
-    plan the next block's read, the last write alone)."""
+    plan the next block's read, the last write alone). MoDA: its depth cache's kernels in place of
+    MoDA.block, a 4-block model (reads of 2, 4 and 6 slots: tiles with masked slots), hd = 10 (6
+    of 16 features masked), one and two query heads a key/value head, fp32 and bf16 autocast."""
     rows = interpret(*STREAMS[scheme])
     for case, row in rows.items():
         assert len(row['outputs']) == 1 and len(row['grads']) > 20, case
@@ -150,19 +154,23 @@ def test_fused_kernels_match_the_plain_block(scheme):
                     f"{case} {kind} {i}: {fast:.1e} from fp64 where the plain block is {plain:.1e}"
 
 
-@pytest.mark.parametrize('case,schemes', [('guard_streams', ('hc', 'mhc'))])
+@pytest.mark.parametrize('case,schemes', [('guard_streams', ('hc', 'mhc')), ('guard_moda', ('moda',))])
 def test_the_guard_passes_the_fused_kernels(case, schemes):
-    """fast.check on the Triton paths of HC and mHC under the interpreter: the fp32 twin
+    """fast.check on the Triton paths of HC, mHC and MoDA under the interpreter: the fp32 twin
     (CUDA's 2e-3) and the twin under bf16 autocast accept them as they are."""
     assert interpret(case)[case]['outputs'] == {s: None for s in schemes}
 
 
-@pytest.mark.parametrize('plant', ['stream_gradient_missing_a_use', 'sinkhorn_rounds_in_bf16'])
+@pytest.mark.parametrize('plant', ['stream_gradient_missing_a_use', 'sinkhorn_rounds_in_bf16', 'moda_weights_not_joint',
+                                   'moda_score_gradient_without_D'])
 def test_a_planted_kernel_error_is_refused_and_fails(plant):
     """One line of a kernel changed (the read's share of the streams' gradient dropped; each Sinkhorn
-    normalisation rounded to bf16): the start-up guard
+    normalisation rounded to bf16; MoDA's depth weights kept relative to the depth part, not the
+    joint softmax; dy . y dropped from MoDA's depth score gradient): the start-up guard
     refuses the path in one line naming it, and the comparison against the plain block fails."""
     row = interpret(f'planted_{plant}')[f'planted_{plant}']['outputs']
-    name = {'stream_gradient_missing_a_use': 'hc_streams_triton', 'sinkhorn_rounds_in_bf16': 'mhc_streams_triton'}[plant]
+    name = {'stream_gradient_missing_a_use': 'hc_streams_triton', 'sinkhorn_rounds_in_bf16': 'mhc_streams_triton',
+            'moda_weights_not_joint': 'moda_depth_cache_triton',
+            'moda_score_gradient_without_D': 'moda_depth_cache_triton'}[plant]
     assert row['verdict'] is not None and name in row['verdict'] and '\n' not in row['verdict']
     assert not within_rule(row)

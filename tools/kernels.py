@@ -5,7 +5,7 @@ no driver needed. Prints, per kernel, variant and target, the registers per thre
 stores and loads (bytes) and the shared memory per program, against the target's limits, and
 exits 1 if any variant spills or needs more shared memory or registers than the target has.
 
-    python tools/kernels.py                                    # the 400M L = 32 shape: Full and Block AttnRes, HC, mHC
+    python tools/kernels.py                                    # the 400M L = 32 shape: Full and Block AttnRes, HC, mHC, MoDA
     python tools/kernels.py --config=config/attnres_L70.py --schemes=attnres --batch_size=4
     python tools/kernels.py --json=out/kernels.json
 
@@ -175,7 +175,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--config', default='config/attnres_L32.py', help="train.py config file whose shape is compiled")
-    ap.add_argument('--schemes', default='attnres,blockattnres,hc,mhc', help="schemes whose launches are compiled")
+    ap.add_argument('--schemes', default='attnres,blockattnres,hc,mhc,moda', help="schemes whose launches are compiled")
     ap.add_argument('--batch_size', type=int, default=None, help="micro-batch (default: the config's)")
     ap.add_argument('--archs', default='80,90', help="compute capabilities to compile for")
     ap.add_argument('--json', default=None, help="also write the rows to this JSON file")
