@@ -103,7 +103,9 @@ class Cache:
     and softmax weights A, one row block of G per position p (rows pG .. pG + G - 1 of (N, L G, hd)
     and (N, L G, 2L), N = B H_kv T; `readers`: the positions that read), and, during a backward,
     their score gradients DD and weighted values' gradients GY in the same layout (`done`: the
-    positions whose backward has run): a slot's gradient is one product over its readers' rows."""
+    positions whose backward has run in backward pass `task`, autograd's graph task): a slot's
+    gradient is one product over its readers' rows of the same pass (a pass that reached only some
+    blocks, `autograd.grad` with retain_graph, leaves rows that the next pass must not count)."""
 
     def __init__(self, like, n_slots):
         B, Hkv, T, hd = like.shape
@@ -111,7 +113,7 @@ class Cache:
         self.V = torch.empty_like(self.K)
         self.filled, self.written, self.token = 0, [], None
         self.Q = self.A = self.DD = self.GY = None
-        self.readers, self.done = [], []
+        self.readers, self.done, self.task = [], [], None
 
     def holds(self, K, V, p):
         """Whether the state's slot tuples K, V are this cache's slots up to its frontier, at most 2p."""
@@ -119,13 +121,21 @@ class Cache:
             return False
         return all(r() is K[j] and s() is V[j] for j, (r, s) in enumerate(self.written))
 
+    def read_done(self, p):
+        """The read of position p has run its backward in the current backward pass."""
+        task = torch._C._current_graph_task_id()
+        if task != self.task:  # the first read of this pass: an earlier pass's reads are not its own
+            self.done, self.task = [], task
+        self.done.append(p)
+
     def slot_grads(self, j, n):
         """The gradients (dK, dV) (N, n, hd) of slots j .. j + n - 1, which have the same readers
-        (2m and 2m + 1: the positions p > m), from those whose backward has run, in q's dtype;
-        (None, None) when there are none."""
+        (2m and 2m + 1: the positions p > m), from those whose backward has run in this pass, in
+        q's dtype; (None, None) when there are none."""
         assert (j + n - 1) // 2 == j // 2, "slots 2m and 2m + 1 at most"
         G = self.Q.size(1) // (self.K.size(3) // 2)
-        rows = sorted(p for p in self.done if 2 * p > j)
+        done = self.done if self.task == torch._C._current_graph_task_id() else []
+        rows = sorted(p for p in done if 2 * p > j)
         dK = dV = None
         for lo, hi in _runs(rows):  # each run of consecutive positions: one product
             r = slice(lo * G, (hi + 1) * G)
@@ -199,7 +209,7 @@ class WriteSlots(torch.autograd.Function):
                 out.append(None if g is None else g.to(ctx.dtypes[2 * i + c]))
         if ctx.first:  # the cache's first write runs its backward last: the pass is over
             cache.DD = cache.GY = None
-            cache.done = []
+            cache.done, cache.task = [], None
         token = None if ctx.first else torch.empty(0, dtype=cache.K.dtype, device=cache.K.device)
         return (None, None, token) + tuple(out)
 
@@ -419,7 +429,7 @@ class DepthAttention(torch.autograd.Function):
             if G > 1:
                 dk, dv = (t.view(B, -1, G, T, hd).sum(2) for t in (dk, dv))
             ctx.ops.backward(cache, S, dy, y, dq)
-        cache.done.append(S // 2)
+        cache.read_done(S // 2)
         return None, None, torch.empty(0, dtype=cache.K.dtype, device=cache.K.device), None, dq, dk, dv
 
 

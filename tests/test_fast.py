@@ -889,6 +889,36 @@ def test_moda_depth_cache_keeps_each_slot_once():
     assert have <= plain - 2 * (L * (L - 1) - 2 * L) * slot + rows, (have, plain)
 
 
+@pytest.mark.parametrize('first', ['blocks.3.attn.wq.weight', 'residual.layers.1.depth_kv.weight'])
+def test_moda_depth_cache_gradient_after_a_partial_backward(first):
+    """Two backward passes over one graph (fp64, L = 4): a first `autograd.grad` that reaches only
+    part of the model (the last block's query weights: its depth read's backward runs, no slot's
+    writer does; block 1's depth_kv: the reads of positions 2 and 3 and the writers of slots 2 .. 5,
+    not the first writer), then `loss.backward()`. Every gradient of the second pass equals the plain
+    model's: a slot's gradient sums only the reads whose backward ran in its own pass, not again
+    those of the first (which would double the depth slots' gradient)."""
+    model = make('moda', dtype=torch.float64, n_layer=4)
+    path = torch_block_paths()[residuals.MoDA]
+    idx = torch.randint(0, 64, (B, 8), generator=torch.Generator().manual_seed(3))
+    params = dict(model.named_parameters())
+
+    def grads(fast_on):
+        model.zero_grad(set_to_none=True)
+        if fast_on:
+            fast.enable(model, [path])
+        try:
+            loss = model(idx, idx)[1]
+            torch.autograd.grad(loss, [params[first]], retain_graph=True)
+            loss.backward()
+        finally:
+            fast.disable(model)
+        return {n: p.grad.clone() for n, p in params.items()}
+    want, have = grads(False), grads(True)
+    for n, w in want.items():
+        err = ((have[n] - w).abs().max() / w.abs().max()).item()
+        assert err < 1e-10, f"{n}: relative error {err:.1e}"
+
+
 def test_the_guard_refuses_sinkhorn_rounds_in_bf16(monkeypatch):
     """mHC's stream steps with each Sinkhorn normalisation rounded to bf16 (the rounds stay fp32 in the
     plain code: bf16 breaks the doubly-stochastic constraint): refused on the fp64 twin and, where the
