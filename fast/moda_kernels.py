@@ -2,7 +2,8 @@
 Triton kernels of MoDA's depth cache (fast/moda.py, `TritonOps`): the depth part of a block's
 joint softmax and its merge with flash attention, one program per query row r = n G + g
 (n = (b, kv head, t) a row of the cache, g one of the G query heads of kv head), forward and
-backward. A row's S depth slots (S <= 2L - 2 <= SP) and hd features (<= HDP) are one tile.
+backward. A row's S depth slots (S <= 2L - 2) and hd features are one tile of SP x HDP (each the
+next power of two, masked beyond S and hd).
 
 depth_fwd, after flash attention gave o and lse_seq (arXiv 2603.15619's joint softmax; fast/moda.py):
     qs = q / sqrt(hd)                       in q's dtype (as the plain scores), into the cache's query rows
