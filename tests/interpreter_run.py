@@ -220,7 +220,7 @@ def case_streams(scheme, dtype, m=4, programs=3, **kw):
     8 masked), m streams (3: a block of 4 streams, one masked), N = 10 tokens (HC's backward over
     `programs` programs: a remainder; mHC's blocks of 16 tokens: one partial), fp32 or under bf16
     autocast. Returns ([(fast, plain) error of the loss], [... of each parameter's gradient]), each
-    as the start-up guard measures it (`_whole_model`)."""
+    as the start-up guard measures it (`_whole_model`: dtype 'fp32', or 'bf16' / 'fp16' autocast)."""
     from fast import streams as st
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=24, n_head=4, residual=scheme, hc_streams=m, **kw)
     saved, st.TritonOps.PROGRAMS = st.TritonOps.PROGRAMS, programs
@@ -234,7 +234,7 @@ def case_moda(dtype, n_kv_head=4):
     """MoDA's depth cache on its Triton kernels (fast.moda.TritonOps) and the plain MoDA.block, each
     against the plain model in fp64: a 4-block model (reads of 2, 4 and 6 slots: tiles of 2, 4 and
     8 with masked slots), hd = 10 (a tile of 16 features, 6 masked), N = 10 tokens, G = 1 or 2
-    query heads a key/value head, fp32 or under bf16 autocast. Returns `_whole_model`'s rows."""
+    query heads a key/value head, fp32 or under bf16 / fp16 autocast. Returns `_whole_model`'s rows."""
     from fast import moda
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_embd=40, n_head=4, n_kv_head=n_kv_head,
                     residual='moda')
@@ -249,18 +249,20 @@ def _whole_model(cfg, fast_block, dtype):
     ref = copy.deepcopy(model).double()
     idx = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(3))
 
-    def run(mdl, fused, bf16):
+    low = torch.float16 if dtype == 'fp16' else torch.bfloat16
+
+    def run(mdl, fused, autocast):
         if fused:
             mdl.residual.block = fast_block(mdl.residual)
         mdl.zero_grad(set_to_none=True)
-        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast('cpu', dtype=low, enabled=autocast):
             _, loss = mdl(idx, idx)
         loss.backward()
         mdl.residual.__dict__.pop('block', None)
         return [loss.detach()], [p.grad for p in mdl.parameters()]
     want_o, want_g = run(ref, False, False)
-    base_o, base_g = run(model, False, dtype == 'bf16')
-    have_o, have_g = run(model, True, dtype == 'bf16')
+    base_o, base_g = run(model, False, dtype != 'fp32')
+    have_o, have_g = run(model, True, dtype != 'fp32')
     # the start-up guard's measure: the largest error relative to the tensor's largest entry, floored
     # at 1e-3 of the largest gradient entry of all (a gate's gradient small by cancellation carries
     # the rounding of its larger terms)
@@ -393,6 +395,7 @@ CASES['moda_fp32'] = lambda: case_moda('fp32')
 CASES['moda_bf16'] = lambda: case_moda('bf16')
 CASES['moda_gqa_fp32'] = lambda: case_moda('fp32', n_kv_head=2)
 CASES['moda_gqa_bf16'] = lambda: case_moda('bf16', n_kv_head=2)
+CASES['moda_fp16'] = lambda: case_moda('fp16')
 CASES['guard_moda'] = lambda: case_guard_fused('moda')
 for _name in PLANTS:
     CASES[f'planted_{_name}'] = lambda a=_name: case_planted(a)

@@ -126,7 +126,7 @@ def test_kernels_match_the_plain_methods():
 STREAMS = {'hc': ['streams_hc_fp32', 'streams_hc_bf16', 'streams_hc_m3'],
            'mhc': ['streams_mhc_fp32', 'streams_mhc_bf16', 'streams_mhc_m3', 'streams_mhc_plain'],
            # MoDA's depth cache (fast/moda_kernels.py): reads of 2, 4 and 6 slots, hd = 10, G = 1 and 2
-           'moda': ['moda_fp32', 'moda_bf16', 'moda_gqa_fp32', 'moda_gqa_bf16']}
+           'moda': ['moda_fp32', 'moda_bf16', 'moda_gqa_fp32', 'moda_gqa_bf16', 'moda_fp16']}
 
 
 def within_rule(row):
@@ -144,7 +144,7 @@ def test_fused_kernels_match_the_plain_block(scheme):
     4 lanes masked), mHC's both Sinkhorn orders; a 3-block model (the first read, the steps that
     plan the next block's read, the last write alone). MoDA: its depth cache's kernels in place of
     MoDA.block, a 4-block model (reads of 2, 4 and 6 slots: tiles with masked slots), hd = 10 (6
-    of 16 features masked), one and two query heads a key/value head, fp32 and bf16 autocast."""
+    of 16 features masked), one and two query heads a key/value head, fp32, bf16 and fp16 autocast."""
     rows = interpret(*STREAMS[scheme])
     for case, row in rows.items():
         assert len(row['outputs']) == 1 and len(row['grads']) > 20, case
