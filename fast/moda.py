@@ -368,7 +368,8 @@ class TritonOps:
             return TorchOps.backward(cache, S, dy, y, dq)
         R, rows, kv = TritonOps._shape(cache, S, dq)
         A, DD, GY = cache.A[:, rows, :S], cache.DD[:, rows, :S], cache.GY[:, rows]
-        launch('fast.moda_kernels', 'depth_bwd', (R,), reads=('dy', 'y', 'K', 'V', 'A', 'dq'), writes=('DD', 'GY', 'dq'),
+        launch('fast.moda_kernels', 'depth_bwd', (R,), reads=('dy', 'y', 'K', 'V', 'A', 'dq'),
+               writes=('DD', 'GY', 'dq'),
                flops=4 * R * S * kv['HD'], dy=dy, sd_b=dy.stride(0), sd_h=dy.stride(1), sd_t=dy.stride(2), y=y,
                sy_b=y.stride(0), sy_h=y.stride(1), sy_t=y.stride(2), A=A, DD=DD, GY=GY, s_g=cache.GY.stride(0),
                dq=dq, sq_b=dq.stride(0), sq_h=dq.stride(1), sq_t=dq.stride(2), **kv)
