@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import fast  # noqa: E402
 import residuals  # noqa: E402
-from fast import streams  # noqa: E402
+from fast import moda, streams  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 MODES = ('fp64', 'fp32', 'bf16')  # bf16: fp32 weights, the inputs the model gives under bf16 autocast
@@ -849,6 +849,24 @@ def test_the_guard_refuses_a_depth_cache_error(old, new, forward):
     with pytest.raises(fast.FastPathMismatch, match=r'planted_moda .*relative error') as e:
         fast.check(model, [path], 'cpu')
     assert '\n' not in str(e.value) and ('logits' in str(e.value)) == forward, str(e.value)
+
+
+def test_moda_depth_cache_state_holds_the_plain_blocks_slots():
+    """After each block on the depth cache the state is the plain block's: h, and K and V tuples of
+    2L slots whose entries equal the plain ones (the block's k and v in slot 2p, depth_kv's in
+    2p + 1, zeros beyond), fp64, L = 4."""
+    model = make('moda', n_layer=4).double()
+    res, rope = model.residual, (model.rope_cos[:12], model.rope_sin[:12])
+    x = torch.randn(B, 12, D, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    plain, have = res.begin(x), res.begin(x)
+    for b, layer in enumerate(model.blocks):
+        plain = residuals.MoDA.block(res, plain, b, layer, rope)
+        have = moda.cached_block(res, have, b, layer, rope)
+        assert len(have[1]) == len(have[2]) == 2 * 4 and have[3] == plain[3] == b + 1
+        torch.testing.assert_close(have[0], plain[0])
+        for j in range(8):
+            torch.testing.assert_close(have[1][j], plain[1][j])
+            torch.testing.assert_close(have[2][j], plain[2][j])
 
 
 def test_moda_depth_cache_keeps_each_slot_once():
