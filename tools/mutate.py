@@ -43,6 +43,7 @@ MODULES = {
     # (the planted-error tests exec the module's own source, which mutmut has rewritten)
     'fast/moda.py': ['tests/test_fast.py', 'tests/test_kv_cache.py', '-k',
                      '(moda or depth_cache) and not refuses_a_depth_cache'],
+    'fast/streams.py': ['tests/test_fast.py', '-k', '(streams or sinkhorn or fused_blocks) and not guard_refuses'],
 }
 
 
